@@ -1,0 +1,79 @@
+"""Typed mirror of ``hydra_configs/partial/*.yaml``'s ``partial:`` block.
+
+Every knob of partial rollout is one field here, validated on construction so a bad value fails in
+the driver, before Ray starts, with the full key name and the allowed values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STALENESS_POLICIES = ("restart", "drop", "keep")
+
+
+@dataclass(frozen=True)
+class PartialConfig:
+    """Partial rollout for verl's synchronous RayPPOTrainer.
+
+    Attributes:
+        enable: master switch; ``false`` leaves verl's rollout untouched.
+        extra_groups: groups kept in flight beyond ``data.train_batch_size``. A step ends once
+            ``train_batch_size`` whole groups are finished; the extra ones absorb the long tail and
+            are continued next step (verl fully_async's staleness factor, slime's over-sampling).
+        step_token_budget: Kimi k1.5-style cap on the tokens one sample may generate per step;
+            ``null`` lets a sample run to ``response_length`` within one step.
+        chunk_tokens: interruption granularity: the most tokens one generate call may produce.
+            Between chunks the scheduler re-checks whether the step is done, so a backend that
+            cannot abort still stops within one chunk. ``null``: one call per sample per step.
+        abort_on_done: abort in-flight requests through the backend (vLLM/SGLang/CPU all support it)
+            as soon as the step has its groups; their partial tokens are parked.
+        max_staleness: the most policy versions a trained token may lag the policy being trained.
+        staleness_policy: what happens to a sample whose oldest token would exceed ``max_staleness``:
+            ``restart`` regenerates it from the prompt (tokens are thrown away and counted), ``drop``
+            removes its whole group (counted, its prompt replaced by a fresh one), ``keep`` trains it
+            anyway and leaves the off-policy gap to rollout correction.
+        max_retries: retries of a generate call that raised or timed out before its group is taken
+            out (counted as ``partial/failed_groups``; its prompt is replaced).
+        request_timeout_s: seconds one generate call may take before it counts as failed.
+        ledger_path: optional JSON-lines audit log of every prompt admitted, trained, dropped or
+            failed, one line per event; makes "nothing lost, nothing trained twice" checkable.
+    """
+
+    enable: bool = True
+    extra_groups: int = 4
+    step_token_budget: int | None = None
+    chunk_tokens: int | None = None
+    abort_on_done: bool = True
+    max_staleness: int = 1
+    staleness_policy: str = "restart"
+    max_retries: int = 2
+    request_timeout_s: float = 600.0
+    ledger_path: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.extra_groups >= 0, "partial.extra_groups", "an integer >= 0", self.extra_groups)
+        for key, value in (("step_token_budget", self.step_token_budget), ("chunk_tokens", self.chunk_tokens)):
+            _require(value is None or value > 0, f"partial.{key}", "null or an integer > 0", value)
+        _require(self.max_staleness >= 0, "partial.max_staleness", "an integer >= 0", self.max_staleness)
+        _require(
+            self.staleness_policy in STALENESS_POLICIES,
+            "partial.staleness_policy",
+            f"one of {list(STALENESS_POLICIES)}",
+            self.staleness_policy,
+        )
+        _require(self.max_retries >= 0, "partial.max_retries", "an integer >= 0", self.max_retries)
+        _require(self.request_timeout_s > 0, "partial.request_timeout_s", "a number > 0", self.request_timeout_s)
+
+    def max_new_tokens(self, generated: int, generated_this_step: int, response_length: int) -> int:
+        """Tokens the next generate call of a sample may produce; 0 means it must wait for the next step."""
+        limit = response_length - generated
+        if self.chunk_tokens is not None:
+            limit = min(limit, self.chunk_tokens)
+        if self.step_token_budget is not None:
+            limit = min(limit, self.step_token_budget - generated_this_step)
+        return max(0, limit)
+
+
+def _require(ok: bool, key: str, allowed: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{key} must be {allowed}, got {value!r}")
