@@ -2,7 +2,7 @@
 
 Hydra hands verl an OmegaConf tree; our groups add top-level blocks (``backend``, ``partial``,
 ``rollout_correction``, ``balance``). Each block maps one to one onto a dataclass, so an unknown key
-or a bad value is reported with its full key name before Ray starts.
+or a bad value is reported with its full key name -- in the driver, before Ray starts.
 """
 
 from __future__ import annotations
@@ -12,9 +12,12 @@ from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 
+from verl_partial.core.partial_config import PartialConfig
 from verl_partial.cpu_backend.config import BackendConfig
 
 T = TypeVar("T")
+
+PARTIAL_MANAGER = "verl_partial.glue.partial_rollout.PartialAgentLoopManager"
 
 
 def block_to_dataclass(config: DictConfig | dict[str, Any], block: str, cls: type[T]) -> T:
@@ -36,6 +39,35 @@ def backend_config(config: DictConfig) -> BackendConfig | None:
     return block_to_dataclass(config, "backend", BackendConfig)
 
 
+def partial_config(config: DictConfig) -> PartialConfig | None:
+    """The partial-rollout config when ``+partial=...`` was selected and enabled, else None."""
+    if config.get("partial") is None:
+        return None
+    parsed = block_to_dataclass(config, "partial", PartialConfig)
+    return parsed if parsed.enable else None
+
+
+def check_partial_against_trainer(config: DictConfig) -> None:
+    """Combinations partial rollout cannot honour fail here, naming the verl key to change."""
+    rollout = config.actor_rollout_ref.rollout
+    problems = []
+    if config.trainer.get("use_v1", False):
+        problems.append("trainer.use_v1 must be false: partial rollout hooks the legacy RayPPOTrainer")
+    if str(config.algorithm.adv_estimator).lower() == "remax":
+        problems.append("algorithm.adv_estimator=remax is unsupported: its greedy baseline rollouts are not groups")
+    if not rollout.get("calculate_log_probs", False):
+        problems.append(
+            "actor_rollout_ref.rollout.calculate_log_probs must be true: parked samples keep per-token log-probs"
+        )
+    manager = rollout.get("agent", {}).get("agent_loop_manager_class")
+    if manager != PARTIAL_MANAGER:
+        problems.append(f"actor_rollout_ref.rollout.agent.agent_loop_manager_class must be {PARTIAL_MANAGER}")
+    if problems:
+        raise ValueError("partial rollout cannot run with this config:\n  - " + "\n  - ".join(problems))
+
+
 def validate_root_config(config: DictConfig) -> None:
     """Validate every block of ours present in ``config``; raises ValueError naming the key."""
     backend_config(config)
+    if partial_config(config) is not None:
+        check_partial_against_trainer(config)

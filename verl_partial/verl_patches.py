@@ -245,3 +245,40 @@ def _patch_ray_trainer(module: ModuleType) -> None:
         return original_balance(self, batch, metrics, *args, **kwargs)
 
     trainer_cls._balance_batch = _balance_batch
+
+    original_save = trainer_cls._save_checkpoint
+
+    @functools.wraps(original_save)
+    def _save_checkpoint(self, *args, **kwargs):
+        trainer_hooks.before_save_checkpoint(self)
+        return original_save(self, *args, **kwargs)
+
+    trainer_cls._save_checkpoint = _save_checkpoint
+
+    original_load = trainer_cls._load_checkpoint
+
+    @functools.wraps(original_load)
+    def _load_checkpoint(self, *args, **kwargs):
+        result = original_load(self, *args, **kwargs)
+        trainer_hooks.after_load_checkpoint(self)
+        return result
+
+    trainer_cls._load_checkpoint = _load_checkpoint
+
+    # fit() builds each step's metrics from module-level helpers; this one sees the final batch and
+    # the step's timing dict, so our per-step payload (metrics, generation time moved out of the
+    # "gen" timer by partial rollout) is merged here.
+    original_timing = module.compute_timing_metrics
+
+    @functools.wraps(original_timing)
+    def compute_timing_metrics(batch, timing_raw, *args, **kwargs):
+        payload = trainer_hooks.step_meta(batch)
+        if payload is not None:
+            for key in ("gen", "step"):
+                timing_raw[key] = timing_raw.get(key, 0.0) + payload.get("gen_seconds", 0.0)
+        metrics = original_timing(batch, timing_raw, *args, **kwargs)
+        if payload is not None:
+            metrics.update(payload.get("metrics", {}))
+        return metrics
+
+    module.compute_timing_metrics = compute_timing_metrics

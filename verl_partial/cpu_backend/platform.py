@@ -42,7 +42,7 @@ def _build_device_module() -> types.ModuleType:
     for name in ("synchronize", "is_available", "current_stream", "stream", "Stream", "Event", "device_count"):
         setattr(module, name, getattr(torch.cpu, name))
     module.set_device = _noop
-    module.current_device = _zero
+    module.current_device = lambda *_a, **_k: "cpu"
     module.empty_cache = _noop
     module.ipc_collect = _noop
     module.set_per_process_memory_fraction = _noop
@@ -89,8 +89,10 @@ class PlatformCPU(PlatformBase):
         # package cannot change which platform verl picks on any machine.
         return False
 
-    def current_device(self) -> int:
-        return 0
+    def current_device(self) -> str:  # type: ignore[override]
+        # verl moves tensors with ``.to(get_device_id())``; an int means "accelerator index" to torch,
+        # so the CPU answer must be the device string itself.
+        return "cpu"
 
     def device_count(self) -> int:
         return 1

@@ -10,6 +10,7 @@ own AgentLoopManager, load balancer and weight-sync path run unchanged.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 from collections.abc import Generator
@@ -77,6 +78,7 @@ class CpuRolloutServer:
             eos_token_ids=self._eos_token_ids(model),
             max_num_seqs=self.config.max_num_seqs,
             max_model_len=self.max_model_len,
+            logprobs_mode=self.config.logprobs_mode,
         )
 
     def _eos_token_ids(self, model) -> set[int]:
@@ -131,8 +133,8 @@ class CpuRolloutServer:
     async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict:
         # Like vLLM's pause_generation: in-flight requests return what they have, new ones wait for resume.
         self.engine.pause()
-        request_ids = await self.engine.abort_all()
-        return {"aborted_count": len(request_ids), "request_ids": request_ids}
+        aborted = await self.engine.abort_all()
+        return {"aborted_count": aborted, "request_ids": []}
 
     async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict:
         aborted = await self.engine.abort(request_id)
@@ -168,7 +170,7 @@ class CpuRolloutServer:
         return None
 
     def engine_stats(self) -> dict[str, Any]:
-        return dict(self.engine.stats)
+        return dataclasses.asdict(self.engine.stats)
 
 
 class CpuReplica(RolloutReplica):

@@ -1,0 +1,460 @@
+"""Tests for the continuous-batching CPU engine.
+
+The reference for every log-prob is a plain recompute: one full forward of the same HF model over prompt + response,
+no cache, no batching. Matching it for requests that were batched with padding, joined and left mid-flight and moved
+between KV slots is what shows the engine's own forward and bookkeeping are right.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from verl_partial.cpu_backend.engine import CpuBatchedEngine, GenerationResult, SamplingParams, sample
+from verl_partial.cpu_backend.kv_model import UnsupportedModelError
+
+torch.set_num_threads(1)
+
+VOCAB = 512
+TOL = 1e-4
+T = TypeVar("T")
+
+
+def _qwen2_config(**overrides: object) -> Qwen2Config:
+    fields: dict[str, object] = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        # A wider init than the default 0.02 makes next-token distributions peaked, so greedy has no near-ties.
+        initializer_range=0.2,
+        attn_implementation="eager",
+    )
+    fields.update(overrides)
+    return Qwen2Config(**fields)
+
+
+def _build(model_cls: type[torch.nn.Module], config: object, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return model_cls(config).eval()
+
+
+@pytest.fixture(scope="module")
+def model() -> Qwen2ForCausalLM:
+    return _build(Qwen2ForCausalLM, _qwen2_config())
+
+
+def _prompts(*lengths: int, seed: int = 1) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB, (n,), generator=generator).tolist() for n in lengths]
+
+
+def _run(make: Callable[[], Awaitable[T]]) -> T:
+    return asyncio.run(make())
+
+
+def _recompute_logits(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """Logits that predicted each generated token, from one uncached, unbatched forward."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+    return logits[len(prompt) - 1 : len(prompt) + len(tokens) - 1]
+
+
+def _assert_matches_recompute(model: torch.nn.Module, prompt: list[int], result: GenerationResult) -> None:
+    assert len(result.log_probs) == len(result.token_ids)
+    log_probs = torch.log_softmax(_recompute_logits(model, prompt, result.token_ids), dim=-1)
+    expected = log_probs.gather(1, torch.tensor(result.token_ids).unsqueeze(1)).squeeze(1)
+    torch.testing.assert_close(torch.tensor(result.log_probs), expected, atol=TOL, rtol=0)
+
+
+def _record_decode_batches(engine: CpuBatchedEngine) -> list[int]:
+    """Wrap the engine's batched decode forward to record the batch size of every call."""
+    sizes: list[int] = []
+    decode = engine._kv.decode
+
+    def recording(token_ids: list[int], positions: list[int]) -> torch.Tensor:
+        sizes.append(len(token_ids))
+        return decode(token_ids, positions)
+
+    engine._kv.decode = recording  # type: ignore[method-assign]
+    return sizes
+
+
+async def _wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
+        await asyncio.sleep(0.001)
+
+
+def test_concurrent_logprobs_match_plain_recompute(model: Qwen2ForCausalLM) -> None:
+    prompts = _prompts(3, 17, 9, 30, 1)
+
+    async def main() -> tuple[list[GenerationResult], list[int]]:
+        engine = CpuBatchedEngine(model, eos_token_ids=set(), seed=0)
+        batches = _record_decode_batches(engine)
+        params = SamplingParams(max_tokens=24, temperature=1.0)
+        results = await asyncio.gather(*(engine.generate(f"r{i}", p, params) for i, p in enumerate(prompts)))
+        await engine.close()
+        return results, batches
+
+    results, batches = _run(main)
+    # One forward per step for all five (prefilled together, then decoded together with padding).
+    assert batches == [5] * 23
+    for prompt, result in zip(prompts, results, strict=True):
+        assert len(result.token_ids) == 24 and result.stop_reason == "length"
+        _assert_matches_recompute(model, prompt, result)
+
+
+def test_qwen3_matches_recompute() -> None:
+    qwen3 = _build(
+        Qwen3ForCausalLM,
+        Qwen3Config(**{**_qwen2_config().to_dict(), "model_type": "qwen3", "head_dim": 32, "layer_types": None}),
+    )
+    prompts = _prompts(4, 11)
+
+    async def main() -> list[GenerationResult]:
+        engine = CpuBatchedEngine(qwen3, eos_token_ids=set(), seed=0)
+        params = SamplingParams(max_tokens=12)
+        results = await asyncio.gather(*(engine.generate(f"r{i}", p, params) for i, p in enumerate(prompts)))
+        await engine.close()
+        return results
+
+    for prompt, result in zip(prompts, _run(main), strict=True):
+        _assert_matches_recompute(qwen3, prompt, result)
+
+
+def test_requests_join_and_leave_without_draining(model: Qwen2ForCausalLM) -> None:
+    """max_num_seqs=3 with staggered arrivals and lengths: finished requests leave, waiting ones join mid-batch,
+    surviving requests are moved into freed slots, and every result still matches the recompute."""
+    prompts = _prompts(5, 22, 2, 13, 8, 40, 3)
+    max_tokens = [6, 30, 12, 4, 25, 9, 15]
+
+    async def main() -> tuple[list[GenerationResult], list[int], int, list[str]]:
+        engine = CpuBatchedEngine(model, eos_token_ids=set(), max_num_seqs=3, seed=0)
+        batches = _record_decode_batches(engine)
+        moves = 0
+        move_slot = engine._kv.move_slot
+
+        def counting_move(src: int, dst: int, length: int) -> None:
+            nonlocal moves
+            moves += 1
+            move_slot(src, dst, length)
+
+        engine._kv.move_slot = counting_move  # type: ignore[method-assign]
+        finish_order: list[str] = []
+
+        async def one(index: int) -> GenerationResult:
+            await asyncio.sleep(0.003 * index)
+            result = await engine.generate(f"r{index}", prompts[index], SamplingParams(max_tokens=max_tokens[index]))
+            finish_order.append(f"r{index}")
+            return result
+
+        results = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        await engine.close()
+        return results, batches, moves, finish_order
+
+    results, batches, moves, finish_order = _run(main)
+    assert max(batches) == 3
+    assert moves > 0
+    # r1 (30 tokens) was still running when later, shorter requests joined and finished.
+    assert finish_order.index("r3") < finish_order.index("r1")
+    for prompt, limit, result in zip(prompts, max_tokens, results, strict=True):
+        assert len(result.token_ids) == limit
+        _assert_matches_recompute(model, prompt, result)
+
+
+def test_prefill_budget_splits_a_burst_of_prompts(model: Qwen2ForCausalLM) -> None:
+    prompts = _prompts(10, 10, 10)
+
+    async def main() -> tuple[list[GenerationResult], list[int]]:
+        engine = CpuBatchedEngine(model, eos_token_ids=set(), max_num_batched_tokens=20)
+        widths: list[int] = []
+        prefill = engine._kv.prefill
+
+        def recording(batch: list[list[int]], first_slot: int) -> torch.Tensor:
+            widths.append(len(batch))
+            return prefill(batch, first_slot)
+
+        engine._kv.prefill = recording  # type: ignore[method-assign]
+        params = SamplingParams(max_tokens=6)
+        results = await asyncio.gather(*(engine.generate(f"r{i}", p, params) for i, p in enumerate(prompts)))
+        await engine.close()
+        return results, widths
+
+    results, widths = _run(main)
+    assert widths == [2, 1]  # 2 x 10 padded tokens fit the budget of 20, the third prompt waits one step
+    for prompt, result in zip(prompts, results, strict=True):
+        _assert_matches_recompute(model, prompt, result)
+
+
+def test_resume_from_partial_response_continues_greedy_output(model: Qwen2ForCausalLM) -> None:
+    prompt = _prompts(10)[0]
+    greedy = SamplingParams(max_tokens=20, temperature=0.0)
+
+    async def main() -> tuple[GenerationResult, GenerationResult]:
+        engine = CpuBatchedEngine(model, eos_token_ids=set())
+        full = await engine.generate("full", prompt, greedy)
+        resumed = await engine.generate("resumed", prompt + full.token_ids[:8], SamplingParams(12, temperature=0.0))
+        await engine.close()
+        return full, resumed
+
+    full, resumed = _run(main)
+    assert resumed.token_ids == full.token_ids[8:]
+    torch.testing.assert_close(torch.tensor(resumed.log_probs), torch.tensor(full.log_probs[8:]), atol=TOL, rtol=0)
+    # Greedy really is the argmax of the model.
+    assert full.token_ids == _recompute_logits(model, prompt, full.token_ids).argmax(-1).tolist()
+
+
+def test_seeded_request_is_independent_of_batch(model: Qwen2ForCausalLM) -> None:
+    prompt, *others = _prompts(7, 3, 25, 12, 5)
+    seeded = SamplingParams(max_tokens=30, temperature=1.0, top_p=0.9, top_k=50, seed=1234)
+
+    async def main() -> tuple[GenerationResult, GenerationResult]:
+        engine = CpuBatchedEngine(model, eos_token_ids=set(), seed=7)
+        alone = await engine.generate("alone", prompt, seeded)
+        noise = [engine.generate(f"o{i}", p, SamplingParams(max_tokens=40 - 5 * i)) for i, p in enumerate(others)]
+        crowded, *_ = await asyncio.gather(engine.generate("crowded", prompt, seeded), *noise)
+        await engine.close()
+        return alone, crowded
+
+    alone, crowded = _run(main)
+    assert alone.token_ids == crowded.token_ids
+    torch.testing.assert_close(torch.tensor(alone.log_probs), torch.tensor(crowded.log_probs), atol=TOL, rtol=0)
+
+
+def test_processed_and_raw_logprob_modes(model: Qwen2ForCausalLM) -> None:
+    prompt = _prompts(9)[0]
+    params = SamplingParams(max_tokens=16, temperature=0.7, top_k=20, top_p=0.8, seed=3)
+
+    async def main(mode: str) -> GenerationResult:
+        engine = CpuBatchedEngine(model, eos_token_ids=set(), logprobs_mode=mode)  # type: ignore[arg-type]
+        result = await engine.generate("r", prompt, params)
+        await engine.close()
+        return result
+
+    processed, raw = _run(lambda: main("processed_logprobs")), _run(lambda: main("raw_logprobs"))
+    assert processed.token_ids == raw.token_ids  # the mode changes what is reported, not what is sampled
+    logits = _recompute_logits(model, prompt, processed.token_ids)
+    tokens = torch.tensor(processed.token_ids).unsqueeze(1)
+    # processed: the distribution sampled from (temperature, then top-k, then top-p of the top-k mass).
+    scaled = logits / params.temperature
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    keep = torch.arange(VOCAB) < params.top_k
+    sorted_probs = torch.softmax(sorted_logits.masked_fill(~keep, float("-inf")), dim=-1)
+    keep = keep & ((sorted_probs.cumsum(-1) - sorted_probs) < params.top_p)
+    truncated = scaled.scatter(-1, order, sorted_logits.masked_fill(~keep, float("-inf")))
+    expected = torch.log_softmax(truncated, dim=-1).gather(1, tokens).squeeze(1)
+    torch.testing.assert_close(torch.tensor(processed.log_probs), expected, atol=TOL, rtol=0)
+    assert torch.isfinite(expected).all()  # every sampled token lies inside the truncated support
+    torch.testing.assert_close(
+        torch.tensor(raw.log_probs), torch.log_softmax(logits, -1).gather(1, tokens).squeeze(1), atol=TOL, rtol=0
+    )
+
+
+def test_eos_stops_unless_ignored_and_max_model_len_caps(model: Qwen2ForCausalLM) -> None:
+    prompt = _prompts(6)[0]
+
+    async def main() -> tuple[GenerationResult, ...]:
+        engine = CpuBatchedEngine(model, eos_token_ids=set())
+        reference = await engine.generate("ref", prompt, SamplingParams(max_tokens=12, temperature=0.0))
+        await engine.close()
+        eos = next(t for i, t in enumerate(reference.token_ids) if i >= 3 and t not in reference.token_ids[:i])
+        engine = CpuBatchedEngine(model, eos_token_ids={eos}, max_model_len=len(prompt) + 5)
+        stopped = await engine.generate("eos", prompt, SamplingParams(max_tokens=12, temperature=0.0))
+        capped = await engine.generate("cap", prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+        with pytest.raises(ValueError, match="prompt length"):
+            await engine.generate("long", prompt * 2, SamplingParams(max_tokens=1))
+        await engine.close()
+        return reference, stopped, capped
+
+    reference, stopped, capped = _run(main)
+    cut = len(stopped.token_ids)
+    assert stopped.stop_reason == "completed" and 3 < cut <= 5
+    assert stopped.token_ids == reference.token_ids[:cut]  # EOS is included, as vLLM does
+    assert capped.stop_reason == "length" and capped.token_ids == reference.token_ids[:5]
+
+
+def test_abort_returns_partial_tokens_at_once(model: Qwen2ForCausalLM) -> None:
+    long_prompt = _prompts(12)[0]
+    short_prompt = long_prompt[:4]
+
+    async def main() -> tuple[GenerationResult, GenerationResult]:
+        engine = CpuBatchedEngine(model, eos_token_ids=set())
+        task = asyncio.create_task(engine.generate("long", long_prompt, SamplingParams(900, ignore_eos=True, seed=5)))
+        other = asyncio.create_task(engine.generate("other", short_prompt, SamplingParams(max_tokens=600)))
+        await _wait_until(lambda: engine.stats.generated_tokens >= 20)
+        assert await engine.abort("long")
+        assert not await engine.abort("unknown-id")
+        aborted = await asyncio.wait_for(task, timeout=0.5)
+        assert not other.done()
+        await _wait_until(lambda: engine.num_running == 1)  # the aborted request left the batch
+        await engine.abort("other")
+        other_result = await asyncio.wait_for(other, timeout=0.5)
+        await engine.close()
+        return aborted, other_result
+
+    aborted, other = _run(main)
+    for prompt, result in ((long_prompt, aborted), (short_prompt, other)):
+        assert result.stop_reason == "aborted"
+        assert 0 < len(result.token_ids) < 600
+        _assert_matches_recompute(model, prompt, result)
+
+
+def test_abort_all_covers_waiting_requests_and_engine_stays_usable(model: Qwen2ForCausalLM) -> None:
+    prompts = _prompts(5, 6, 7)
+
+    async def main() -> tuple[int, list[GenerationResult], GenerationResult]:
+        engine = CpuBatchedEngine(model, eos_token_ids=set(), max_num_seqs=1)
+        params = SamplingParams(max_tokens=500, ignore_eos=True)
+        tasks = [asyncio.create_task(engine.generate(f"r{i}", p, params)) for i, p in enumerate(prompts)]
+        await _wait_until(lambda: engine.stats.generated_tokens >= 3)
+        assert (engine.num_running, engine.num_waiting) == (1, 2)
+        count = await engine.abort_all()
+        results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=0.5)
+        assert engine.num_waiting == 0
+        after = await engine.generate("after", prompts[0], SamplingParams(max_tokens=5))
+        await engine.close()
+        return count, results, after
+
+    count, results, after = _run(main)
+    assert count == 3
+    assert all(r.stop_reason == "aborted" for r in results)
+    assert len(results[0].token_ids) > 0 and results[1].token_ids == results[2].token_ids == []
+    assert after.stop_reason == "length" and len(after.token_ids) == 5
+
+
+def test_cancelled_generate_frees_its_slot(model: Qwen2ForCausalLM) -> None:
+    async def main() -> GenerationResult:
+        engine = CpuBatchedEngine(model, eos_token_ids=set(), max_num_seqs=1)
+        task = asyncio.create_task(engine.generate("r", _prompts(5)[0], SamplingParams(max_tokens=500)))
+        await _wait_until(lambda: engine.stats.generated_tokens >= 2)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        result = await asyncio.wait_for(engine.generate("next", _prompts(3)[0], SamplingParams(4)), timeout=5)
+        await engine.close()
+        return result
+
+    assert len(_run(main).token_ids) == 4
+
+
+def test_pause_holds_requests_until_resume(model: Qwen2ForCausalLM) -> None:
+    async def main() -> tuple[GenerationResult, GenerationResult]:
+        engine = CpuBatchedEngine(model, eos_token_ids=set())
+        running = asyncio.create_task(engine.generate("running", _prompts(4)[0], SamplingParams(max_tokens=300)))
+        await _wait_until(lambda: engine.stats.generated_tokens >= 2)
+        engine.pause()
+        queued = asyncio.create_task(engine.generate("queued", _prompts(6)[0], SamplingParams(max_tokens=5)))
+        await asyncio.sleep(0.1)  # the step in flight (about a millisecond) finishes
+        frozen = engine.stats.generated_tokens
+        await asyncio.sleep(0.1)
+        assert engine.stats.generated_tokens == frozen
+        assert (engine.num_running, engine.num_waiting) == (1, 1) and not queued.done()
+        engine.resume()
+        results = await asyncio.wait_for(asyncio.gather(running, queued), timeout=10)
+        await engine.close()
+        return results[0], results[1]
+
+    running, queued = _run(main)
+    assert len(running.token_ids) == 300 and running.stop_reason == "length"
+    assert len(queued.token_ids) == 5
+
+
+def test_load_weights_changes_generation_and_restores(model: Qwen2ForCausalLM) -> None:
+    own = copy.deepcopy(model)  # the engine updates the module in place
+    original = {name: t.clone() for name, t in own.state_dict().items()}  # includes the tied lm_head.weight alias
+    generator = torch.Generator().manual_seed(9)
+    # bfloat16, as a trainer would send: the engine converts to the model's dtype.
+    perturbed = [
+        (name, (p + 0.1 * torch.randn(p.shape, generator=generator)).to(torch.bfloat16))
+        for name, p in own.named_parameters()
+    ]
+    prompt = _prompts(8)[0]
+    greedy = SamplingParams(max_tokens=16, temperature=0.0)
+
+    async def main() -> tuple[GenerationResult, GenerationResult, GenerationResult]:
+        engine = CpuBatchedEngine(own, eos_token_ids=set())
+        before = await engine.generate("a", prompt, greedy)
+        engine.load_weights(perturbed)
+        during = await engine.generate("b", prompt, greedy)
+        _assert_matches_recompute(own, prompt, during)  # own now holds the perturbed weights
+        engine.load_weights(original.items())
+        after = await engine.generate("c", prompt, greedy)
+        with pytest.raises(KeyError):
+            engine.load_weights([("no.such.weight", torch.zeros(1))])
+        with pytest.raises(ValueError, match="shape"):
+            engine.load_weights([("lm_head.weight", torch.zeros(1))])
+        await engine.close()
+        return before, during, after
+
+    before, during, after = _run(main)
+    assert during.token_ids != before.token_ids
+    assert after.token_ids == before.token_ids
+    assert after.log_probs == before.log_probs
+
+
+def test_unsupported_architectures_fail_loudly() -> None:
+    gpt2 = _build(GPT2LMHeadModel, GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=2))
+    with pytest.raises(UnsupportedModelError, match="model_type"):
+        CpuBatchedEngine(gpt2, eos_token_ids=set())
+    sliding = _build(Qwen2ForCausalLM, _qwen2_config(use_sliding_window=True, sliding_window=8, max_window_layers=0))
+    with pytest.raises(UnsupportedModelError, match="attention"):
+        CpuBatchedEngine(sliding, eos_token_ids=set())
+
+
+def test_sampling_params_validation() -> None:
+    with pytest.raises(ValueError):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError):
+        SamplingParams(max_tokens=1, top_p=0.0)
+    with pytest.raises(ValueError):
+        SamplingParams(max_tokens=1, temperature=-1.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    temperature=st.sampled_from([0.0, 0.3, 1.0, 2.0]),
+    top_k=st.sampled_from([-1, 1, 3, 32]),
+    top_p=st.sampled_from([1.0, 0.95, 0.5, 0.05]),
+)
+def test_sample_picks_inside_support_with_renormalised_logprob(
+    seed: int, temperature: float, top_k: int, top_p: float
+) -> None:
+    logits = torch.randn(3, 32, generator=torch.Generator().manual_seed(seed)) * 4
+    params = SamplingParams(max_tokens=1, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    # Same seed on every row: a seeded row's draw must not depend on the other rows.
+    same_logits = logits[:1].expand(3, -1)
+    samplers = [(params, torch.Generator().manual_seed(seed)) for _ in range(3)]
+    tokens, log_probs = sample(same_logits, samplers, torch.Generator().manual_seed(0), "processed_logprobs")
+    assert len(set(tokens)) == 1 and len(set(log_probs)) == 1
+    token, log_prob = tokens[0], log_probs[0]
+    row = logits[0]
+    if temperature == 0:
+        assert token == int(row.argmax())
+        assert log_prob == pytest.approx(float(torch.log_softmax(row, -1)[token]), abs=1e-6)
+        return
+    tempered = torch.log_softmax(row / temperature, -1)
+    # Truncation only removes mass, so the renormalised log-prob is never below the untruncated one.
+    assert float(tempered[token]) - 1e-5 <= log_prob <= 1e-6
+    if top_k == -1 and top_p == 1.0:
+        assert log_prob == pytest.approx(float(tempered[token]), abs=1e-5)
+    higher = row > row[token]
+    if top_k > 0:
+        assert int(higher.sum()) < top_k
+    kept = row >= row.sort(descending=True).values[top_k - 1] if top_k > 0 else torch.ones_like(higher)
+    probs_in_k = torch.softmax((row / temperature).masked_fill(~kept, float("-inf")), -1)
+    assert float(probs_in_k[higher].sum()) < top_p + 1e-6

@@ -1,0 +1,482 @@
+"""Continuous-batching CPU decoding engine: a small stand-in for vLLM on machines without a GPU.
+
+What makes it behave like a real serving engine (and so makes partial rollout's benefit measurable on CPU):
+
+* **One batched forward per decode step** over every running request, with a per-slot KV cache
+  (:class:`~verl_partial.cpu_backend.kv_model.SlotKVModel`). A decode step's cost is dominated by per-layer fixed
+  overhead and weight reads, so it grows sub-linearly with the number of running requests.
+* **Continuous batching**: a finished or aborted request leaves the batch before the next step; waiting requests join
+  it (prefill, then decode) without the batch draining first. At most ``max_num_seqs`` run at once.
+* **Responsive control**: the model runs in a single worker thread (torch releases the GIL inside its kernels) while
+  the asyncio loop owns all scheduling state. ``abort`` resolves the request's ``generate`` immediately with the
+  tokens produced so far; the slot is reclaimed before the next step.
+
+Log-prob semantics follow verl 0.9.1's vLLM rollout, which starts vLLM with ``logprobs_mode="processed_logprobs"``
+(``actor_rollout_ref.rollout.logprobs_mode`` default): the log-prob of the sampled token under the distribution it
+was actually sampled from, i.e. after temperature scaling and top-k / top-p truncation (renormalised). For greedy
+requests (temperature 0) that is the raw ``log_softmax`` of the logits, as in vLLM. At temperature 1 without
+truncation both modes equal the raw policy's log-prob. ``logprobs_mode="raw_logprobs"`` always returns the raw
+policy's log-prob.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from collections import deque
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import nn
+
+from verl_partial.cpu_backend.kv_model import SlotKVModel
+
+StopReason = Literal["completed", "length", "aborted"]
+LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling settings (the subset of vLLM's that verl's rollout uses).
+
+    ``temperature == 0`` means greedy. ``top_k <= 0`` and ``top_p == 1`` disable truncation. ``seed`` makes the
+    request's samples independent of whatever else shares the batch. Validated on construction and again when
+    ``generate`` snapshots it, so changing a field after submitting a request does not affect that request.
+    """
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    ignore_eos: bool = False
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class GenerationResult:
+    """Tokens generated for one request, with one log-prob per token.
+
+    ``stop_reason`` is ``"completed"`` (an EOS id was sampled; it is included in ``token_ids``), ``"length"``
+    (``max_tokens`` new tokens, or the sequence reached ``max_model_len``) or ``"aborted"``.
+    """
+
+    token_ids: list[int]
+    log_probs: list[float]
+    stop_reason: StopReason
+
+
+@dataclass
+class EngineStats:
+    """Cumulative counters, e.g. for throughput and mean batch size (``decode_tokens / decode_steps``).
+
+    ``generated_tokens`` counts tokens handed to requests; ``decode_tokens`` counts rows of decode forwards (it also
+    includes rows whose request was aborted while the step ran). ``dataclasses.asdict`` gives a plain dict.
+    """
+
+    generated_tokens: int = 0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+
+
+@dataclass(eq=False)
+class _Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    future: asyncio.Future[GenerationResult]
+    generator: torch.Generator | None
+    token_ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    done: bool = False
+
+    @property
+    def cached_len(self) -> int:
+        """Positions whose K/V sit in the slot: everything but the last sampled token, which the next step feeds."""
+        return len(self.prompt_ids) + len(self.token_ids) - 1
+
+
+@dataclass(frozen=True)
+class _StepPlan:
+    """Everything the worker thread needs for one step; built on the loop thread so the worker reads no live state.
+
+    Rows are slots ``0..len(decode_tokens)-1`` (decode) followed by the newly admitted prompts (prefill).
+    """
+
+    moves: list[tuple[int, int, int]]  # (src slot, dst slot, cached length)
+    decode_tokens: list[int]
+    decode_positions: list[int]
+    prefill_prompts: list[list[int]]
+    samplers: list[tuple[SamplingParams, torch.Generator | None]]
+    max_len: int
+
+
+class CpuBatchedEngine:
+    """Asyncio front end + single worker thread running :class:`SlotKVModel` with continuous batching.
+
+    All public methods must be called from the event loop the engine first ran ``generate`` on, except
+    ``load_weights`` and ``resume``, which may also be called from another thread.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        eos_token_ids: set[int],
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int = 4096,
+        logprobs_mode: LogprobsMode = "processed_logprobs",
+        seed: int | None = None,
+    ) -> None:
+        """
+        Args:
+            model: a Llama / Qwen2 / Qwen3 ``*ForCausalLM`` (see ``kv_model.SUPPORTED_MODEL_TYPES``); its parameters
+                are used in place, so ``load_weights`` and in-place updates of ``model`` are seen by the engine.
+            eos_token_ids: sampling any of these ends a request with ``"completed"`` unless ``ignore_eos``.
+            max_num_seqs: most requests decoded together; the rest wait.
+            max_model_len: prompt + generated tokens cap; defaults to ``config.max_position_embeddings``.
+            max_num_batched_tokens: padded prompt tokens prefilled per step (one prompt is always admitted), which
+                bounds how long a burst of new requests stalls the running ones.
+            logprobs_mode: see the module docstring; the default matches verl's vLLM rollout.
+            seed: seeds the generator shared by requests without their own seed.
+        """
+        if logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
+            raise ValueError(f"unsupported logprobs_mode {logprobs_mode!r}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len or model.config.max_position_embeddings
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.logprobs_mode: LogprobsMode = logprobs_mode
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self._kv = SlotKVModel(model, max_slots=max_num_seqs, max_model_len=self.max_model_len)
+        self._weights = model.state_dict(keep_vars=True)  # includes tied aliases such as lm_head.weight
+        self._shared_generator = torch.Generator()
+        if seed is None:
+            self._shared_generator.seed()
+        else:
+            self._shared_generator.manual_seed(seed)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-engine")
+        self._model_lock = threading.Lock()  # a step and a weight load never overlap
+        self._waiting: deque[_Request] = deque()
+        self._slots: list[_Request] = []  # index == KV slot; may hold finished requests until the next compaction
+        self._requests: dict[str, _Request] = {}  # unfinished requests, waiting or running
+        self._paused = False
+        self._stats = EngineStats()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._wakeup: asyncio.Event | None = None
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def num_running(self) -> int:
+        return sum(not r.done for r in self._slots)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def stats(self) -> EngineStats:
+        return dataclasses.replace(self._stats)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self._kv.cache_bytes
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> GenerationResult:
+        """Generate up to ``params.max_tokens`` tokens after ``prompt_ids``.
+
+        ``prompt_ids`` may end with an earlier partial response (resuming an aborted rollout): the whole sequence is
+        prefilled and generation continues from its end. Cancelling the awaiting task aborts the request.
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already in flight")
+        if not 0 < len(prompt_ids) < self.max_model_len:
+            raise ValueError(f"prompt length {len(prompt_ids)} must be in [1, max_model_len={self.max_model_len})")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self._kv.vocab_size:
+            raise ValueError(f"prompt of {request_id!r} has token ids outside [0, {self._kv.vocab_size})")
+        params = dataclasses.replace(params)  # snapshot + re-validate
+        self._ensure_loop()
+        generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
+        request = _Request(request_id, list(prompt_ids), params, asyncio.get_running_loop().create_future(), generator)
+        self._requests[request_id] = request
+        self._waiting.append(request)
+        self._wake()
+        try:
+            return await request.future
+        except asyncio.CancelledError:
+            self._finish(request, "aborted")
+            raise
+
+    async def abort(self, request_id: str) -> bool:
+        """End a waiting or running request now; its ``generate`` returns the tokens so far as ``"aborted"``.
+
+        Returns whether the request was in flight; unknown or already finished ids are ignored (the request may have
+        finished meanwhile).
+        """
+        request = self._requests.get(request_id)
+        if request is None:
+            return False
+        self._finish(request, "aborted")
+        return True
+
+    async def abort_all(self) -> int:
+        """Abort every waiting and running request; return how many were aborted."""
+        requests = list(self._requests.values())
+        for request in requests:
+            self._finish(request, "aborted")
+        return len(requests)
+
+    def pause(self) -> None:
+        """Stop scheduling after the step in flight: running requests keep their state, new ones queue.
+
+        Mirrors vLLM's ``pause_generation``: nothing is failed, everything continues after :meth:`resume`.
+        """
+        self._paused = True
+
+    def resume(self) -> None:
+        self._paused = False
+        self._wake()
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy tensors into the model by ``state_dict`` name (dtype converted); blocks until the step in flight ends.
+
+        Tokens sampled after this returns use the new weights. K/V already cached for running requests keep the
+        values computed with the old weights, as in vLLM; abort or pause-and-drain first for a clean switch.
+        Raises ``KeyError`` / ``ValueError`` on an unknown name or a shape mismatch (tensors before it are loaded).
+        """
+        with self._model_lock, torch.no_grad():
+            for name, tensor in named_tensors:
+                target = self._weights.get(name)
+                if target is None:
+                    raise KeyError(f"unknown weight {name!r}")
+                if target.shape != tensor.shape:
+                    raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} != {tuple(target.shape)}")
+                target.copy_(tensor)
+
+    async def close(self) -> None:
+        """Abort everything, stop the scheduler task and the worker thread; the engine is unusable afterwards."""
+        await self.abort_all()
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._executor.shutdown(wait=True)
+
+    # ------------------------------------------------------------------ scheduling (event-loop thread)
+
+    def _ensure_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        alive = self._task is not None and not self._task.done() and not self._loop.is_closed()
+        if alive and self._loop is not loop:
+            raise RuntimeError("CpuBatchedEngine is already running on another event loop")
+        if not alive:
+            self._loop, self._wakeup = loop, asyncio.Event()
+            self._task = loop.create_task(self._run(), name="cpu-engine-scheduler")
+
+    def _wake(self) -> None:
+        if self._wakeup is None or self._loop is None or self._loop.is_closed():
+            return
+        try:
+            on_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            self._wakeup.set()
+        else:
+            self._loop.call_soon_threadsafe(self._wakeup.set)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                scheduled = self._schedule()
+                if scheduled is None:
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                plan, rows = scheduled
+                try:
+                    tokens, log_probs = await loop.run_in_executor(self._executor, self._execute, plan)
+                except Exception as exc:  # a failed step fails its requests, not the engine
+                    for request in rows:
+                        self._finish(request, exc)
+                    continue
+                self._apply(plan, rows, tokens, log_probs)
+        finally:
+            # The loop is going away (close() or the event loop shutting down): nothing can be resumed later.
+            for request in list(self._requests.values()):
+                self._finish(request, "aborted")
+            self._slots.clear()
+
+    def _schedule(self) -> tuple[_StepPlan, list[_Request]] | None:
+        if self._paused:
+            return None
+        moves = self._compact()
+        num_decode = len(self._slots)
+        joiners: list[_Request] = []
+        width = 0
+        while self._waiting and len(self._slots) < self.max_num_seqs:
+            width = max(width, len(self._waiting[0].prompt_ids))
+            if joiners and width * (len(joiners) + 1) > self.max_num_batched_tokens:
+                break
+            request = self._waiting.popleft()
+            joiners.append(request)
+            self._slots.append(request)
+        if not self._slots:
+            return None
+        decoding = self._slots[:num_decode]
+        plan = _StepPlan(
+            moves=moves,
+            decode_tokens=[r.token_ids[-1] for r in decoding],
+            decode_positions=[r.cached_len for r in decoding],
+            prefill_prompts=[r.prompt_ids for r in joiners],
+            samplers=[(r.params, r.generator) for r in self._slots],
+            max_len=max([r.cached_len + 1 for r in decoding] + [width]),
+        )
+        return plan, list(self._slots)
+
+    def _compact(self) -> list[tuple[int, int, int]]:
+        """Drop finished requests from the slots; fill each hole with a live request from the tail."""
+        live = sum(not r.done for r in self._slots)
+        tail = ((slot, r) for slot, r in enumerate(self._slots) if slot >= live and not r.done)
+        moves = []
+        kept = self._slots[:live]
+        for dst, request in enumerate(kept):
+            if request.done:
+                src, kept[dst] = next(tail)
+                moves.append((src, dst, kept[dst].cached_len))
+        self._slots = kept
+        return moves
+
+    def _apply(self, plan: _StepPlan, rows: list[_Request], tokens: list[int], log_probs: list[float]) -> None:
+        self._stats.decode_steps += bool(plan.decode_tokens)
+        self._stats.decode_tokens += len(plan.decode_tokens)
+        self._stats.prefill_tokens += sum(len(p) for p in plan.prefill_prompts)
+        for request, token, log_prob in zip(rows, tokens, log_probs, strict=True):
+            if request.done:  # aborted while the step ran: its result was already returned
+                continue
+            self._stats.generated_tokens += 1
+            request.token_ids.append(token)
+            request.log_probs.append(log_prob)
+            if token in self.eos_token_ids and not request.params.ignore_eos:
+                self._finish(request, "completed")
+            elif (
+                len(request.token_ids) >= request.params.max_tokens
+                or len(request.prompt_ids) + len(request.token_ids) >= self.max_model_len
+            ):
+                self._finish(request, "length")
+
+    def _finish(self, request: _Request, outcome: StopReason | BaseException) -> None:
+        """Resolve a request once; a running one keeps its slot until the next compaction."""
+        if request.done:
+            return
+        request.done = True
+        if self._requests.get(request.request_id) is request:
+            del self._requests[request.request_id]
+        if request in self._waiting:
+            self._waiting.remove(request)
+        if request.future.done():
+            return
+        if isinstance(outcome, BaseException):
+            request.future.set_exception(outcome)
+        else:
+            result = GenerationResult(list(request.token_ids), list(request.log_probs), outcome)
+            request.future.set_result(result)
+
+    # ------------------------------------------------------------------ model work (worker thread)
+
+    def _execute(self, plan: _StepPlan) -> tuple[list[int], list[float]]:
+        with self._model_lock, torch.inference_mode():
+            self._kv.reserve(len(plan.samplers), plan.max_len)
+            for src, dst, length in plan.moves:
+                self._kv.move_slot(src, dst, length)
+            logits = []
+            if plan.decode_tokens:
+                logits.append(self._kv.decode(plan.decode_tokens, plan.decode_positions))
+            if plan.prefill_prompts:
+                logits.append(self._kv.prefill(plan.prefill_prompts, len(plan.decode_tokens)))
+            return sample(torch.cat(logits), plan.samplers, self._shared_generator, self.logprobs_mode)
+
+
+def sample(
+    logits: torch.Tensor,
+    samplers: list[tuple[SamplingParams, torch.Generator | None]],
+    shared_generator: torch.Generator,
+    logprobs_mode: LogprobsMode,
+) -> tuple[list[int], list[float]]:
+    """Pick one token per row of float32 ``logits`` [n, V]; return the tokens and their log-probs.
+
+    Random rows use inverse-CDF sampling with exactly one uniform draw per token, taken from the request's own
+    generator when it has a seed: its tokens then depend only on its own logits, not on its batch neighbours.
+    """
+    raw = torch.log_softmax(logits, dim=-1)
+    tokens = raw.argmax(dim=-1)
+    chosen = raw
+    random_rows = [row for row, (params, _) in enumerate(samplers) if params.temperature > 0]
+    if random_rows:
+        index = torch.tensor(random_rows)
+        params = [samplers[row][0] for row in random_rows]
+        temperatures = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+        processed = torch.log_softmax(_truncate(logits[index] / temperatures, params), dim=-1)
+        probs = processed.double().exp()
+        cdf = probs.cumsum(dim=-1)
+        uniforms = _uniforms([samplers[row][1] for row in random_rows], shared_generator)
+        picked = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
+        # Rounding can push the draw past the last token with mass; fall back to that token.
+        last_with_mass = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)
+        tokens[index] = torch.minimum(picked, last_with_mass)
+        if logprobs_mode == "processed_logprobs":
+            chosen = raw.clone()
+            chosen[index] = processed
+    log_probs = chosen.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return tokens.tolist(), log_probs.tolist()
+
+
+def _uniforms(generators: list[torch.Generator | None], shared: torch.Generator) -> torch.Tensor:
+    shared_rows = [row for row, g in enumerate(generators) if g is None]
+    uniforms = torch.empty(len(generators), dtype=torch.float64)
+    if shared_rows:
+        uniforms[shared_rows] = torch.rand(len(shared_rows), dtype=torch.float64, generator=shared)
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            uniforms[row] = torch.rand((), dtype=torch.float64, generator=generator)
+    return uniforms
+
+
+def _truncate(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Mask to -inf the logits outside each row's top-k, then outside its top-p nucleus (of the top-k mass)."""
+    vocab = scaled.shape[-1]
+    use_k = any(0 < p.top_k < vocab for p in params)
+    use_p = any(p.top_p < 1 for p in params)
+    if not (use_k or use_p):
+        return scaled
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if use_k:
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
+        remove |= torch.arange(vocab).unsqueeze(0) >= top_k.unsqueeze(1)
+    if use_p:
+        sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        # top_p == 1 must keep everything, whatever the rounding of the cumulative sum.
+        top_p = torch.tensor([p.top_p if p.top_p < 1 else float("inf") for p in params], dtype=scaled.dtype)
+        remove |= mass_before >= top_p.unsqueeze(1)
+    return scaled.scatter(-1, order, sorted_logits.masked_fill(remove, float("-inf")))
