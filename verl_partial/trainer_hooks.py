@@ -15,9 +15,21 @@ from verl_partial.config import partial_config, validate_root_config
 logger = logging.getLogger("verl_partial")
 
 
+# The typed rollout-correction config of the trainer in this process (one trainer per TaskRunner).
+_correction: Any = None
+
+
 def before_trainer_init(config: Any) -> None:
     """Runs before RayPPOTrainer.__init__: the last moment config edits reach the workers."""
+    global _correction
     validate_root_config(config)
+    if config.get("rollout_correction") is not None:
+        from verl_partial.glue.correction import apply_to_trainer_config, from_trainer_config
+
+        # Writes verl's algorithm.rollout_correction and, for bypass presets, the actor's loss mode --
+        # before init_workers, so the workers' copy of the config carries them (verl #4912/#4272).
+        apply_to_trainer_config(config)
+        _correction = from_trainer_config(config)
 
 
 def after_trainer_init(trainer: Any) -> None:
@@ -65,6 +77,35 @@ def step_meta(batch: Any) -> dict[str, Any] | None:
     from verl_partial.glue.partial_rollout import META_KEY
 
     return batch.meta_info.pop(META_KEY, None)
+
+
+def staleness_aware_correction(batch: Any) -> dict[str, float]:
+    """Lag-split correction metrics and the optional stale-token mask, before verl's correction runs.
+
+    Needs our correction block and the per-token policy versions partial rollout puts in the batch;
+    returns no metrics otherwise.
+    """
+    from verl_partial.glue.correction import apply_staleness_mask, compute_lag_split_metrics
+    from verl_partial.glue.partial_rollout import META_KEY, VERSION_KEY
+
+    meta = batch.meta_info.get(META_KEY)
+    if _correction is None or meta is None or VERSION_KEY not in batch.batch.keys():
+        return {}
+    metrics: dict[str, float] = {}
+    if _correction.log_by_lag:
+        metrics.update(compute_lag_split_metrics(batch, _correction, meta["version"]))
+    if _correction.max_token_staleness is not None:
+        metrics.update(apply_staleness_mask(batch, _correction, meta["version"]))
+    return metrics
+
+
+def add_step_metrics(batch: Any, metrics: dict[str, float]) -> None:
+    """Queue metrics for this step's log line (merged where verl computes its timing metrics)."""
+    from verl_partial.glue.partial_rollout import META_KEY
+
+    if metrics:
+        payload = batch.meta_info.setdefault(META_KEY, {})
+        payload.setdefault("metrics", {}).update(metrics)
 
 
 def balance_enabled(config: Any) -> bool:

@@ -27,6 +27,9 @@ CPU_PLATFORM_ENV = "VERL_PLATFORM"
 CPU_ROLLOUT_NAME = "cpu"
 CPU_SERVER_ADAPTER = "verl_partial.cpu_backend.rollout.CpuServerAdapter"
 
+# Set for every Ray process by the driver when our rollout-correction block is in the config.
+ALL_REJECTED_GUARD_ENV = "VERL_PARTIAL_ALL_REJECTED_GUARD"
+
 # Top-level config blocks that only exist when one of our Hydra groups was selected.
 OUR_CONFIG_BLOCKS = ("backend", "partial", "rollout_correction", "balance")
 
@@ -52,6 +55,10 @@ def install() -> None:
     _register_cpu_backend()
     if os.environ.get(CPU_PLATFORM_ENV, "").strip().lower() == CPU_ROLLOUT_NAME:
         apply_cpu_process_fixes()
+    if os.environ.get(ALL_REJECTED_GUARD_ENV) == "1":
+        from verl_partial.glue.correction import install_all_rejected_guard
+
+        install_all_rejected_guard()
     _wrap_driver_entry()
     _wrap_trainer()
 
@@ -148,10 +155,23 @@ def _wrap_driver_entry() -> None:
             validate_root_config(config)
             if config.get("backend") is not None and config.backend.get("name") == CPU_ROLLOUT_NAME:
                 _select_cpu_platform_in_driver()
+            if config.get("rollout_correction") is not None:
+                _export_to_ray_processes(config, ALL_REJECTED_GUARD_ENV, "1")
         return original(config)
 
     auto_set_device._verl_partial = True  # type: ignore[attr-defined]
     device.auto_set_device = auto_set_device
+
+
+def _export_to_ray_processes(config: Any, name: str, value: str) -> None:
+    """Every Ray process of the job (TaskRunner, workers) reads ``name`` when it imports verl."""
+    from omegaconf import open_dict
+
+    with open_dict(config):
+        ray_init = config.ray_kwargs.setdefault("ray_init", {})
+        runtime_env = ray_init.setdefault("runtime_env", {})
+        env_vars = runtime_env.get("env_vars") or {}
+        runtime_env["env_vars"] = {**env_vars, name: value}
 
 
 def uses_our_config(config: Any) -> bool:
@@ -282,3 +302,36 @@ def _patch_ray_trainer(module: ModuleType) -> None:
         return metrics
 
     module.compute_timing_metrics = compute_timing_metrics
+    after_import(ROLLOUT_CORR_MODULE, _patch_rollout_corr_helper)
+
+
+ROLLOUT_CORR_MODULE = "verl.trainer.ppo.rollout_corr_helper"
+
+
+def _patch_rollout_corr_helper(module: ModuleType) -> None:
+    """fit() imports these two inside the step, so wrapping the module attributes takes effect."""
+    from verl_partial import trainer_hooks
+
+    if getattr(module, "_verl_partial_patched", False):
+        return
+    module._verl_partial_patched = True
+    original_decoupled = module.compute_rollout_correction_and_add_to_batch
+
+    @functools.wraps(original_decoupled)
+    def compute_rollout_correction_and_add_to_batch(batch, *args, **kwargs):
+        ours = trainer_hooks.staleness_aware_correction(batch)
+        batch, metrics = original_decoupled(batch, *args, **kwargs)
+        return batch, {**metrics, **ours}
+
+    module.compute_rollout_correction_and_add_to_batch = compute_rollout_correction_and_add_to_batch
+
+    original_bypass = module.apply_bypass_mode
+
+    @functools.wraps(original_bypass)
+    def apply_bypass_mode(batch, *args, **kwargs):
+        # Bypass reports no driver-side metrics; ours ride along in the step payload.
+        ours = trainer_hooks.staleness_aware_correction(batch)
+        trainer_hooks.add_step_metrics(batch, ours)
+        return original_bypass(batch, *args, **kwargs)
+
+    module.apply_bypass_mode = apply_bypass_mode

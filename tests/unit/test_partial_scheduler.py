@@ -45,6 +45,13 @@ def log_prob_at(position: int, version: int) -> float:
     return -(version + 1) * 1e-3 - position * 1e-7
 
 
+@dataclass(frozen=True)
+class TrainedRow:
+    """Stands in for verl's output row: a dataclass payload, which checkpointing must keep intact."""
+
+    key: str
+
+
 @dataclass
 class FakeEngine:
     """Token-by-token engine: deterministic content, abortable, with injectable failures and hangs."""
@@ -82,7 +89,11 @@ class FakeEngine:
                 break
         log_probs = [log_prob_at(start + i, self.version) for i in range(len(new_ids))]
         return SegmentResult(
-            new_ids, log_probs, eos=bool(new_ids) and new_ids[-1] == EOS, prompt_ids=[_h(key) % 97], output=key
+            new_ids,
+            log_probs,
+            eos=bool(new_ids) and new_ids[-1] == EOS,
+            prompt_ids=[_h(key) % 97],
+            output=TrainedRow(key),
         )
 
     async def abort_all(self) -> None:
@@ -160,7 +171,7 @@ def check_groups(trained_steps, config: PartialConfig, n: int, batch: int, respo
             assert len(group.samples) == n
             for index, sample in enumerate(group.samples):
                 assert sample.finished and not sample.in_flight
-                assert sample.output == group.key
+                assert sample.output == TrainedRow(group.key)
                 length = target_length(group.key, index, seed, response_length)
                 expected = [token_at(group.key, index, p) if p != length - 1 else EOS for p in range(length)]
                 # invariant 3: exact continuation, never beyond response_length
@@ -230,6 +241,7 @@ def test_resume_from_checkpoint_trains_the_same_prompts(config, n, batch, steps,
     straight = simulate(config, **kwargs)
     resumed = simulate(config, resume_at=resume_at, **kwargs)
     assert resumed.trained_per_step == straight.trained_per_step
+    check_groups(resumed.trained, config, n, batch, response_length, seed)
     assert [g.key for g in resumed.pool.groups.values()] == [g.key for g in straight.pool.groups.values()]
 
 

@@ -37,6 +37,9 @@ class PartialConfig:
         request_timeout_s: seconds one generate call may take before it counts as failed.
         ledger_path: optional JSON-lines audit log of every prompt admitted, trained, dropped or
             failed, one line per event; makes "nothing lost, nothing trained twice" checkable.
+        dump_dir: optional folder receiving, per step, every trained sample's prompt and response
+            token ids, log-probs and per-token policy versions (``step_N.pt``), for offline audit
+            of what was trained and under which weights each token was generated.
     """
 
     enable: bool = True
@@ -49,6 +52,7 @@ class PartialConfig:
     max_retries: int = 2
     request_timeout_s: float = 600.0
     ledger_path: str | None = None
+    dump_dir: str | None = None
 
     def __post_init__(self) -> None:
         _require(self.extra_groups >= 0, "partial.extra_groups", "an integer >= 0", self.extra_groups)

@@ -345,7 +345,8 @@ class RolloutPool(Generic[P]):
         samples = [sample for group in trained for sample in group.samples]
         lags = Counter(self.version - version for sample in samples for version in sample.versions)
         trained_tokens = sum(lags.values())
-        parked = [sample for group in self.groups.values() for sample in group.samples if not sample.finished]
+        # Parked = resumable work: unfinished samples holding tokens (not yet-unstarted ones).
+        parked = [s for group in self.groups.values() for s in group.samples if not s.finished and s.token_ids]
         parked_tokens = sum(len(sample.token_ids) for group in self.groups.values() for sample in group.samples)
         segments = [sample.segments for sample in samples] or [0]
         metrics: dict[str, float] = {
@@ -378,11 +379,14 @@ class RolloutPool(Generic[P]):
         if self.in_flight():
             raise RuntimeError("cannot checkpoint the pool with requests in flight")
         return {
-            "groups": [dataclasses.asdict(group) for group in self.groups.values()],
+            "groups": [
+                _shallow_fields(group) | {"samples": [_shallow_fields(s) for s in group.samples]}
+                for group in self.groups.values()
+            ],
             "next_group_id": self.next_group_id,
             "version": self.version,
             "step": self.step,
-            "totals": dataclasses.asdict(self.totals),
+            "totals": _shallow_fields(self.totals),
             "shape": {
                 "group_size": self.group_size,
                 "batch_groups": self.batch_groups,
@@ -410,3 +414,8 @@ class RolloutPool(Generic[P]):
         self.version = state["version"]
         self.step = state["step"]
         self.totals = Totals(**state["totals"])
+
+
+def _shallow_fields(obj: Any) -> dict[str, Any]:
+    """Field values by name, without ``dataclasses.asdict``'s recursion (it would turn payloads into dicts)."""
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}

@@ -187,9 +187,13 @@ class PartialAgentLoopManager(AgentLoopManager):
         # Same sample, same worker: keeps its segments' bookkeeping on one process.
         return self.agent_loop_workers[hash(request_id) % len(self.agent_loop_workers)]
 
-    def prepare(self, result: StepResult[Row], extra_metrics: dict[str, float]) -> None:
+    def prepare(self, result: StepResult[Row], version: int, extra_metrics: dict[str, float]) -> None:
         self._prepared = {group.key: group for group in result.trained}
-        self._prepared_meta = {"metrics": {**result.metrics, **extra_metrics}, "gen_seconds": result.seconds}
+        self._prepared_meta = {
+            "metrics": {**result.metrics, **extra_metrics},
+            "gen_seconds": result.seconds,
+            "version": version,
+        }
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
         if prompts.meta_info.get("validate", False) or PARTIAL_KEY not in prompts.non_tensor_batch:
@@ -279,8 +283,9 @@ class PartialRolloutLoader:
         if step >= trainer.total_training_steps:
             extra["partial/untrained_groups_at_end"] = float(len(self.pool.groups))
             logger.warning("training ends with %d partial-rollout groups in flight, untrained", len(self.pool.groups))
-        manager.prepare(result, extra)
+        manager.prepare(result, step - 1, extra)
         self._write_ledger(step)
+        self._dump(step, result.trained)
         rows = []
         for group in result.trained:
             rows.append({**group.prompt, PARTIAL_KEY: group.key})
@@ -294,6 +299,31 @@ class PartialRolloutLoader:
         with open(self.config.ledger_path, "a") as ledger:
             for event, key in events:
                 ledger.write(json.dumps({"step": step, "event": event, "key": key}) + "\n")
+
+    def _dump(self, step: int, groups: list[GroupState[Row]]) -> None:
+        if self.config.dump_dir is None:
+            return
+        samples = [
+            {
+                "key": group.key,
+                "prompt_id": prompt_identity(group.prompt),
+                "index": index,
+                "prompt_ids": group.prompt_ids,
+                "token_ids": sample.token_ids,
+                "log_probs": sample.log_probs,
+                "versions": sample.versions,
+                "segments": sample.segments,
+                # The padded row verl trains on, to check it holds exactly these tokens.
+                "trained_responses": sample.output.batch["responses"][0].tolist(),
+            }
+            for group in groups
+            for index, sample in enumerate(group.samples)
+        ]
+        os.makedirs(self.config.dump_dir, exist_ok=True)
+        torch.save(
+            {"step": step, "version": step - 1, "samples": samples},
+            os.path.join(self.config.dump_dir, f"step_{step}.pt"),
+        )
 
     # verl saves/restores ``data.pt`` through these, but skips the restore at epoch boundaries; our
     # complete state (including the real loader's) lives in STATE_FILE, written before verl's tracker.

@@ -1,0 +1,71 @@
+"""Runs ``python -m verl.trainer.main_ppo`` on the CPU backend exactly as the demo does, and reads its metrics.
+
+Metrics come from verl's own file logger (one JSON line per step), so tests assert on what the
+trainer itself logged, not on anything we recompute.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from verl_partial.cli import demo_command
+from verl_partial.demo.assets import DemoAssets, hydra_overrides
+
+RUN_TIMEOUT_S = 420
+
+
+@dataclass
+class Run:
+    returncode: int
+    log: str
+    steps: dict[int, dict[str, Any]]
+    output_dir: Path
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.output_dir / "checkpoints"
+
+    def metric(self, step: int, key: str) -> float:
+        value = self.steps[step][key]
+        assert isinstance(value, (int, float)) and math.isfinite(value), f"{key}={value!r} at step {step}"
+        return float(value)
+
+    def assert_ok(self) -> None:
+        assert self.returncode == 0, self.log[-6000:]
+
+
+def run_trainer(
+    assets: DemoAssets,
+    output_dir: Path,
+    *,
+    steps: int,
+    partial: str | None = None,
+    extra: list[str] | tuple[str, ...] = (),
+) -> Run:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    metrics_file = output_dir / f"metrics_{len(list(output_dir.glob('metrics_*.jsonl')))}.jsonl"
+    command = demo_command(
+        hydra_overrides(assets),
+        steps=steps,
+        output_dir=output_dir,
+        partial=partial,
+        extra=[
+            "trainer.logger=[console,file]",
+            f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={metrics_file}",
+            *extra,
+        ],
+    )
+    env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_file), "RAY_DEDUP_LOGS": "0"}
+    completed = subprocess.run(command, cwd=output_dir, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    steps_logged: dict[int, dict[str, Any]] = {}
+    if metrics_file.exists():
+        for line in metrics_file.read_text().splitlines():
+            record = json.loads(line)
+            steps_logged.setdefault(record["step"], {}).update(record["data"])
+    return Run(completed.returncode, completed.stdout + completed.stderr, steps_logged, output_dir)

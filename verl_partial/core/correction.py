@@ -1,0 +1,447 @@
+"""Typed rollout-correction presets, mapped onto verl 0.9's ``algorithm.rollout_correction``.
+
+verl 0.9 configures rollout correction with seven loosely typed keys (threshold *strings* such as
+``"0.5_2.0"``, comma-chained rejection modes) and 19 preset classmethods; the preset names users know
+from verl PR #3984 (``token_is``, ``seq_is_rs``, ``geo_rs``...) no longer exist there. This module is
+the typed front end: one frozen dataclass, mirrored key for key by ``hydra_configs/rollout_correction``,
+every preset under both the old and the current names, and validation that fails before Ray starts
+on the combinations verl would silently ignore or override.
+
+Conventions (see docs/rollout-correction.md):
+
+* r = π_old / π_rollout per token (π_θ / π_rollout in bypass mode, where π_old = π_rollout).
+* Every ratio bound here bounds r itself. verl applies the bounds of its ``*_k1`` rejection modes to
+  k1 = -log r, i.e. to 1/r, so ``to_verl_fields`` hands verl the reflected interval [1/upper, 1/lower].
+* No verl import, no torch: the driver can validate a config without loading either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+BLOCK = "rollout_correction"
+
+IS_LEVELS = ("token", "sequence")
+# verl 0.9.1 rollout_corr_helper.SUPPORTED_ROLLOUT_RS_OPTIONS, in its documented order.
+RS_MODES = (
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+)
+LOSS_TYPES = ("ppo_clip", "reinforce")
+# The actor loss modes bypass may replace: verl's bypass loss *is* PPO-clip/REINFORCE, so replacing
+# "vanilla" changes nothing the user asked for, while any other mode would be silently dropped.
+BYPASS_COMPATIBLE_LOSS_MODES = ("vanilla", "bypass_mode")
+# The seed-era per-token veto ("reject the sequence if any token ratio < veto") is expressed with
+# verl's sequence-max of k2 = ½(log r)²; see ``RolloutCorrectionConfig.rs_token_veto``.
+VETO_RS_MODE = "seq_max_k2"
+
+SEED_PRESET_NAMES = ("token_is", "seq_is", "seq_is_rs", "geo_rs", "ppo_is_bypass", "pure_is", "disabled")
+VERL_PRESET_NAMES = (
+    "decoupled_token_is",
+    "decoupled_seq_is",
+    "decoupled_token_icepop",
+    "decoupled_seq_is_rs",
+    "decoupled_geo_rs",
+    "bypass_ppo_clip",
+    "bypass_ppo_clip_geo_rs",
+    "bypass_ppo_clip_k3_rs",
+    "bypass_pg_is",
+    "bypass_pg_token_icepop",
+    "bypass_pg_geo_rs",
+    "decoupled_geo_rs_seq_tis",
+    "decoupled_geo_rs_token_tis",
+    "bypass_pg_geo_rs_seq_tis",
+    "bypass_pg_geo_rs_token_tis",
+    "decoupled_k3_rs",
+    "decoupled_k3_rs_seq_tis",
+    "decoupled_k3_rs_token_tis",
+    "disabled",
+)
+PRESET_NAMES = SEED_PRESET_NAMES + tuple(name for name in VERL_PRESET_NAMES if name not in SEED_PRESET_NAMES)
+DEFAULT_PRESET = "disabled"
+
+
+@dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    """One rollout-correction setup; ``RolloutCorrectionConfig()`` equals ``preset("disabled")``.
+
+    Attributes:
+        preset: name of the preset the values started from (a label; the fields below are what
+            counts). Selecting a preset in YAML and overriding single keys keeps the label.
+        is_level: importance-sampling weights per ``"token"`` or per ``"sequence"`` (product of the
+            token ratios), or ``None`` for no IS weights. verl: ``rollout_is``.
+        is_threshold: upper bound of the IS weight. Alone it truncates (TIS: w = min(r, upper));
+            with ``is_threshold_lower`` it masks (IcePop: w = r inside [lower, upper], else 0).
+            verl: ``rollout_is_threshold``.
+        is_threshold_lower: IcePop lower bound on r, or ``None`` for truncation.
+        is_batch_normalize: rescale IS weights to mean 1 over the batch. verl:
+            ``rollout_is_batch_normalize``.
+        rs_mode: rejection-sampling statistic, one of ``RS_MODES`` or ``None``. ``token_*`` masks
+            single tokens; ``seq_sum_*`` / ``seq_mean_*`` / ``seq_max_*`` mask whole sequences.
+            k1 = -log r (ratio modes), k2 = ½(log r)², k3 = r - 1 - log r (divergences). verl:
+            ``rollout_rs``.
+        rs_threshold: for k1 modes the upper bound on the ratio (r for token_k1, Π r for seq_sum_k1,
+            the geometric mean exp(mean log r) for seq_mean_k1); for k2/k3 modes the largest
+            divergence kept.
+        rs_threshold_lower: k1 modes only: the lower bound on that ratio; ``None`` means
+            1 / rs_threshold.
+        rs_token_veto: reject a whole sequence if any of its tokens has r < veto (or r > 1/veto),
+            the nearest verl 0.9 equivalent of the seed-era veto; ``None`` disables it.
+        bypass_mode: reuse the rollout log-probs as π_old (two policies, no old-log-prob pass);
+            correction then runs inside the actor's loss against the current policy.
+        loss_type: bypass mode's loss: ``"ppo_clip"`` (the PPO ratio π_θ/π_rollout is the IS
+            correction) or ``"reinforce"`` (explicit IS weights, no clipping).
+        max_token_staleness: train no token generated more than this many policy versions before
+            the policy being trained (xtuner-style token mask); ``None`` disables the mask.
+        log_by_lag: also log the rollout-correction metrics split by token policy-version lag.
+    """
+
+    preset: str = DEFAULT_PRESET
+    is_level: str | None = None
+    is_threshold: float = 2.0
+    is_threshold_lower: float | None = None
+    is_batch_normalize: bool = False
+    rs_mode: str | None = None
+    rs_threshold: float | None = None
+    rs_threshold_lower: float | None = None
+    rs_token_veto: float | None = None
+    bypass_mode: bool = False
+    loss_type: str = "ppo_clip"
+    max_token_staleness: int | None = None
+    log_by_lag: bool = True
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming ``rollout_correction.<field>`` and its allowed values."""
+        _require(self.preset in PRESET_NAMES, "preset", f"one of {list(PRESET_NAMES)}", self.preset)
+        self._validate_importance_sampling()
+        self._validate_rejection_sampling()
+        self._validate_mode()
+        _require(
+            self.max_token_staleness is None or (_is_int(self.max_token_staleness) and self.max_token_staleness >= 0),
+            "max_token_staleness",
+            "null or an integer >= 0",
+            self.max_token_staleness,
+        )
+        _require(isinstance(self.log_by_lag, bool), "log_by_lag", "true or false", self.log_by_lag)
+
+    def _validate_importance_sampling(self) -> None:
+        _require(
+            self.is_level is None or self.is_level in IS_LEVELS,
+            "is_level",
+            f"null or one of {list(IS_LEVELS)}",
+            self.is_level,
+        )
+        # An upper bound below 1 would cap (or mask) every weight below the on-policy value 1.
+        _require(
+            _is_number(self.is_threshold) and self.is_threshold >= 1.0,
+            "is_threshold",
+            "a number >= 1",
+            self.is_threshold,
+        )
+        if self.is_threshold_lower is not None:
+            _require(
+                _is_number(self.is_threshold_lower) and 0.0 < self.is_threshold_lower <= 1.0,
+                "is_threshold_lower",
+                "null or a number in (0, 1] (IcePop keeps r in [lower, is_threshold])",
+                self.is_threshold_lower,
+            )
+        _require(
+            isinstance(self.is_batch_normalize, bool), "is_batch_normalize", "true or false", self.is_batch_normalize
+        )
+        if self.is_level is None:
+            _require(
+                self.is_threshold_lower is None,
+                "is_threshold_lower",
+                "null when is_level is null (there are no IS weights to mask)",
+                self.is_threshold_lower,
+            )
+            _require(
+                not self.is_batch_normalize,
+                "is_batch_normalize",
+                "false when is_level is null (there are no IS weights to normalize)",
+                self.is_batch_normalize,
+            )
+
+    def _validate_rejection_sampling(self) -> None:
+        _require(
+            self.rs_mode is None or self.rs_mode in RS_MODES,
+            "rs_mode",
+            f"null or one of {list(RS_MODES)}",
+            self.rs_mode,
+        )
+        if self.rs_mode is None:
+            _require(
+                self.rs_threshold is None,
+                "rs_threshold",
+                "null when rs_mode is null (verl would ignore it)",
+                self.rs_threshold,
+            )
+            _require(
+                self.rs_threshold_lower is None,
+                "rs_threshold_lower",
+                "null when rs_mode is null (verl would ignore it)",
+                self.rs_threshold_lower,
+            )
+        elif self.rs_mode.endswith("k1"):
+            # A ratio band that excludes 1 rejects on-policy data; an upper bound < 1 alone is empty.
+            _require(
+                _is_number(self.rs_threshold) and self.rs_threshold >= 1.0,
+                "rs_threshold",
+                f"a number >= 1 (upper bound on the ratio) for rs_mode={self.rs_mode}",
+                self.rs_threshold,
+            )
+            _require(
+                self.rs_threshold_lower is None
+                or (_is_number(self.rs_threshold_lower) and 0.0 < self.rs_threshold_lower <= 1.0),
+                "rs_threshold_lower",
+                f"null (= 1/rs_threshold) or a number in (0, 1] (lower bound on the ratio) for rs_mode={self.rs_mode}",
+                self.rs_threshold_lower,
+            )
+        else:
+            _require(
+                _is_number(self.rs_threshold) and self.rs_threshold > 0.0,
+                "rs_threshold",
+                f"a number > 0 (largest divergence kept) for rs_mode={self.rs_mode}",
+                self.rs_threshold,
+            )
+            _require(
+                self.rs_threshold_lower is None,
+                "rs_threshold_lower",
+                f"null for rs_mode={self.rs_mode} (divergences have no lower bound)",
+                self.rs_threshold_lower,
+            )
+        if self.rs_token_veto is not None:
+            _require(
+                _is_number(self.rs_token_veto) and 0.0 < self.rs_token_veto < 1.0,
+                "rs_token_veto",
+                "null or a number in (0, 1)",
+                self.rs_token_veto,
+            )
+            _require(
+                self.rs_mode != VETO_RS_MODE,
+                "rs_mode",
+                f"not {VETO_RS_MODE} when rs_token_veto is set (the veto is itself {VETO_RS_MODE})",
+                self.rs_mode,
+            )
+
+    def _validate_mode(self) -> None:
+        _require(isinstance(self.bypass_mode, bool), "bypass_mode", "true or false", self.bypass_mode)
+        _require(self.loss_type in LOSS_TYPES, "loss_type", f"one of {list(LOSS_TYPES)}", self.loss_type)
+        if not self.bypass_mode:
+            _require(
+                self.loss_type == "ppo_clip",
+                "loss_type",
+                "'ppo_clip' when bypass_mode is false (verl reads loss_type only in bypass mode)",
+                self.loss_type,
+            )
+        elif self.loss_type == "ppo_clip":
+            _require(
+                self.is_level is None,
+                "is_level",
+                "null with bypass_mode=true and loss_type=ppo_clip: verl's bypass PPO-clip loss never applies IS "
+                "weights (its ratio pi_theta/pi_rollout already is the correction); use loss_type=reinforce",
+                self.is_level,
+            )
+
+    @property
+    def corrects(self) -> bool:
+        """Whether this config changes training (weights, masks or the loss), not just logs metrics."""
+        return (
+            self.is_level is not None
+            or self.rs_mode is not None
+            or self.rs_token_veto is not None
+            or self.bypass_mode
+            or self.max_token_staleness is not None
+        )
+
+
+_PRESETS: dict[str, RolloutCorrectionConfig] = {}
+
+
+def preset(name: str) -> RolloutCorrectionConfig:
+    """The preset called ``name`` (a seed-era name or any verl 0.9.1 classmethod name)."""
+    _require(name in PRESET_NAMES, "preset", f"one of {list(PRESET_NAMES)}", name)
+    return _PRESETS[name]
+
+
+def from_mapping(values: Mapping[str, Any]) -> RolloutCorrectionConfig:
+    """Build a config from a ``rollout_correction`` block: the named preset, then the given keys on top.
+
+    So ``{preset: seq_is_rs}`` alone selects the preset, and a full block (as written by our YAML
+    group, possibly with command-line overrides) yields exactly its values.
+    """
+    known = {field.name for field in dataclasses.fields(RolloutCorrectionConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown key(s) {[f'{BLOCK}.{key}' for key in unknown]}; allowed keys: {sorted(known)}")
+    return dataclasses.replace(preset(values.get("preset", DEFAULT_PRESET)), **values)
+
+
+def to_verl_fields(cfg: RolloutCorrectionConfig) -> dict[str, Any]:
+    """Keyword arguments of verl's ``verl.trainer.config.algorithm.RolloutCorrectionConfig``.
+
+    Threshold formats follow verl: a float for truncation / symmetric bounds / divergences, a
+    ``"lower_upper"`` string for IcePop and asymmetric k1 bounds, comma-joined when the veto adds a
+    second rejection mode.
+    """
+    modes: list[str] = []
+    specs: list[float | str] = []
+    if cfg.rs_mode is not None:
+        modes.append(cfg.rs_mode)
+        specs.append(_verl_rs_threshold(cfg))
+    if cfg.rs_token_veto is not None:
+        modes.append(VETO_RS_MODE)
+        specs.append(veto_k2_threshold(cfg.rs_token_veto))
+    if cfg.is_threshold_lower is None:
+        is_threshold: float | str = float(cfg.is_threshold)
+    else:
+        is_threshold = f"{float(cfg.is_threshold_lower)}_{float(cfg.is_threshold)}"
+    return {
+        "rollout_is": cfg.is_level,
+        "rollout_is_threshold": is_threshold,
+        "rollout_is_batch_normalize": cfg.is_batch_normalize,
+        "rollout_rs": ",".join(modes) if modes else None,
+        "rollout_rs_threshold": specs[0] if len(specs) == 1 else (",".join(map(str, specs)) if specs else None),
+        "bypass_mode": cfg.bypass_mode,
+        "loss_type": cfg.loss_type,
+    }
+
+
+def check_against_trainer(cfg: RolloutCorrectionConfig, *, calculate_log_probs: bool, policy_loss_mode: str) -> None:
+    """Fail fast on trainer settings that would make ``cfg`` silently ineffective or crash mid-run.
+
+    Args:
+        cfg: our rollout-correction config.
+        calculate_log_probs: ``actor_rollout_ref.rollout.calculate_log_probs``.
+        policy_loss_mode: ``actor_rollout_ref.actor.policy_loss.loss_mode``.
+    """
+    if cfg.corrects and not calculate_log_probs:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.calculate_log_probs must be true for {BLOCK} preset {cfg.preset!r}, got false: "
+            "verl computes IS weights and rejection masks only when the batch holds rollout log-probs (and skips "
+            "them silently otherwise), bypass mode raises at the first step without them, and the staleness mask "
+            "runs in the same rollout-correction step"
+        )
+    check_loss_mode(bypass_mode=cfg.bypass_mode, policy_loss_mode=policy_loss_mode)
+
+
+def check_loss_mode(*, bypass_mode: bool, policy_loss_mode: str) -> None:
+    """Reject actor loss modes that bypass would overwrite, or that need bypass without it.
+
+    Separate from ``check_against_trainer`` because it also guards configs that set verl's
+    ``algorithm.rollout_correction`` directly, without our block.
+    """
+    if bypass_mode and policy_loss_mode not in BYPASS_COMPATIBLE_LOSS_MODES:
+        raise ValueError(
+            f"actor_rollout_ref.actor.policy_loss.loss_mode must be one of {list(BYPASS_COMPATIBLE_LOSS_MODES)} with "
+            f"{BLOCK}.bypass_mode=true, got {policy_loss_mode!r}: bypass replaces the loss mode by 'bypass_mode' "
+            f"(PPO-clip or REINFORCE per {BLOCK}.loss_type), so {policy_loss_mode!r} would be silently dropped"
+        )
+    if not bypass_mode and policy_loss_mode == "bypass_mode":
+        raise ValueError(
+            f"actor_rollout_ref.actor.policy_loss.loss_mode='bypass_mode' requires {BLOCK}.bypass_mode=true: in "
+            "decoupled mode the driver already applies IS weights and rejection, the bypass loss would apply them "
+            "again against the rollout policy"
+        )
+
+
+def veto_k2_threshold(veto: float) -> float:
+    """verl ``seq_max_k2`` bound that rejects a sequence holding a token with r < veto or r > 1/veto."""
+    return 0.5 * math.log(veto) ** 2
+
+
+def _reciprocal(value: float) -> float:
+    """1/value rounded to 15 significant digits, so that 1/(1/x) gives back a short decimal x exactly.
+
+    Reflecting ratio bounds into verl's k1 convention inverts them; without the rounding 1/(1/0.999)
+    can come back one ulp off and a preset would not reproduce verl's ``"0.999_1.001"``.
+    """
+    return float(f"{1.0 / value:.15g}")
+
+
+def _verl_rs_threshold(cfg: RolloutCorrectionConfig) -> float | str:
+    assert cfg.rs_mode is not None and cfg.rs_threshold is not None  # guaranteed by validate()
+    if cfg.rs_mode.endswith("k1") and cfg.rs_threshold_lower is not None:
+        # verl keeps k1 = -log r in [log lo, log hi], i.e. r in [1/hi, 1/lo]: hand it the reflection.
+        return f"{_reciprocal(cfg.rs_threshold)}_{_reciprocal(cfg.rs_threshold_lower)}"
+    # Divergence upper bound, or a symmetric k1 band [1/upper, upper], which verl infers from one float.
+    return float(cfg.rs_threshold)
+
+
+def _bounds_of_verl_k1(lower: float, upper: float) -> dict[str, float]:
+    """Our ratio bounds for a verl k1 threshold ``"lower_upper"``, which bounds 1/r to [lower, upper]."""
+    return {"rs_threshold_lower": 1.0 / upper, "rs_threshold": 1.0 / lower}
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _require(ok: bool, field: str, allowed: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{BLOCK}.{field} must be {allowed}, got {value!r}")
+
+
+def _define_presets() -> None:
+    geo = _bounds_of_verl_k1(0.999, 1.001)  # verl's Geo-RS default "0.999_1.001"
+    seq_band = _bounds_of_verl_k1(0.5, 2.0)  # verl's Seq-MIS default "0.5_2.0" (symmetric: [0.5, 2.0])
+    k3 = {"rs_mode": "seq_mean_k3", "rs_threshold": 0.01}
+    bypass_pg = {"bypass_mode": True, "loss_type": "reinforce"}
+    bypass_clip = {"bypass_mode": True, "loss_type": "ppo_clip"}
+    token_tis = {"is_level": "token", "is_threshold": 2.0}
+    seq_tis = {"is_level": "sequence", "is_threshold": 2.0}
+    icepop = {"is_level": "token", "is_threshold": 5.0, "is_threshold_lower": 0.5}
+    values: dict[str, dict[str, Any]] = {
+        # Seed-era names (verl PR #3984), reproduced as closely as verl 0.9.1 allows.
+        "token_is": token_tis,
+        "seq_is": seq_tis,
+        "seq_is_rs": {**seq_tis, "rs_mode": "seq_sum_k1", "rs_threshold": 2.0, "rs_threshold_lower": 0.5},
+        "geo_rs": {"rs_mode": "seq_mean_k1", "rs_threshold": 1.001, "rs_token_veto": 1e-4},
+        "ppo_is_bypass": bypass_clip,
+        "pure_is": {**seq_tis, **bypass_pg},
+        "disabled": {},
+        # verl 0.9.1 classmethods with their default arguments.
+        "decoupled_token_is": token_tis,
+        "decoupled_seq_is": seq_tis,
+        "decoupled_token_icepop": icepop,
+        "decoupled_seq_is_rs": {**seq_tis, "rs_mode": "seq_sum_k1", **seq_band},
+        "decoupled_geo_rs": {"rs_mode": "seq_mean_k1", **geo},
+        "bypass_ppo_clip": bypass_clip,
+        "bypass_ppo_clip_geo_rs": {"rs_mode": "seq_mean_k1", **geo, **bypass_clip},
+        "bypass_ppo_clip_k3_rs": {**k3, **bypass_clip},
+        "bypass_pg_is": {**seq_tis, **bypass_pg},
+        "bypass_pg_token_icepop": {**icepop, **bypass_pg},
+        "bypass_pg_geo_rs": {"rs_mode": "seq_mean_k1", **geo, **bypass_pg},
+        "decoupled_geo_rs_seq_tis": {**seq_tis, "rs_mode": "seq_mean_k1", **geo},
+        "decoupled_geo_rs_token_tis": {**token_tis, "rs_mode": "seq_mean_k1", **geo},
+        "bypass_pg_geo_rs_seq_tis": {**seq_tis, "rs_mode": "seq_mean_k1", **geo, **bypass_pg},
+        "bypass_pg_geo_rs_token_tis": {**token_tis, "rs_mode": "seq_mean_k1", **geo, **bypass_pg},
+        "decoupled_k3_rs": k3,
+        "decoupled_k3_rs_seq_tis": {**seq_tis, **k3},
+        "decoupled_k3_rs_token_tis": {**token_tis, **k3},
+    }
+    for name, fields in values.items():
+        _PRESETS[name] = RolloutCorrectionConfig(preset=name, **fields)
+
+
+_define_presets()

@@ -1,0 +1,246 @@
+"""verl side of rollout correction: config hand-over, lag-split metrics, staleness mask, all-rejected guard.
+
+Three verl 0.9.1 behaviours this module exists for:
+
+* Bypass never reaches the actor. ``RayPPOTrainer.fit`` calls ``apply_bypass_mode`` on the driver's
+  config every step, after ``init_workers`` has shipped ``actor_rollout_ref`` to the workers; the
+  worker's ``ppo_loss`` keeps its own ``policy_loss.loss_mode`` (usually ``vanilla``), so bypass
+  REINFORCE / IS / RS settings are silently dropped. ``apply_to_trainer_config`` writes them
+  before the workers exist.
+* The bypass loss raises ``ValueError`` for a micro-batch without a valid token (verl #6485 in its
+  0.9 form) and ``token-mean`` divides 0 by 0 for an empty mini-batch; ``guard_all_rejected`` turns
+  such a micro-batch into an exact zero-loss contribution and counts it.
+* verl's metrics average over all tokens whatever policy version sampled them; with partial
+  rollout, ``compute_lag_split_metrics`` reruns verl's own metric function per version lag.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+from verl import DataProto
+from verl.trainer.config.algorithm import RolloutCorrectionConfig as VerlRolloutCorrectionConfig
+from verl.trainer.ppo import core_algos
+from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+from verl_partial.core.correction import (
+    BLOCK,
+    DEFAULT_PRESET,
+    RolloutCorrectionConfig,
+    check_against_trainer,
+    check_loss_mode,
+    from_mapping,
+    preset,
+    to_verl_fields,
+)
+from verl_partial.core.correction_math import mask_stale_tokens, split_by_lag, token_lags
+
+POLICY_VERSION_KEY = "rollout_policy_version"
+STALE_TOKENS_METRIC = "rollout_corr/stale_tokens_masked"
+ALL_REJECTED_METRIC = "rollout_corr/all_rejected_microbatches"
+_RS_MASKED_FRACTION = "rollout_corr/rollout_rs_masked_fraction"
+_GUARD_MARK = "_verl_partial_all_rejected_guard"
+# verl fields that select the loss, not the correction statistics.
+_LOSS_FIELDS = ("bypass_mode", "loss_type")
+
+PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, Any]]]
+
+
+def to_verl_config(cfg: RolloutCorrectionConfig) -> VerlRolloutCorrectionConfig:
+    """verl's own typed config for ``cfg``."""
+    return VerlRolloutCorrectionConfig(**to_verl_fields(cfg))
+
+
+def from_trainer_config(config: DictConfig) -> RolloutCorrectionConfig | None:
+    """Our typed block from the composed trainer config, or None when no ``rollout_correction`` block is set."""
+    block = config.get(BLOCK)
+    if block is None:
+        return None
+    if isinstance(block, DictConfig):
+        return from_mapping(OmegaConf.to_container(block, resolve=True))
+    if isinstance(block, Mapping):
+        return from_mapping(block)
+    raise ValueError(f"{BLOCK} must be a mapping (select a preset with +{BLOCK}=<name>), got {block!r}")
+
+
+def apply_to_trainer_config(config: DictConfig) -> None:
+    """Validate our block and write verl's keys; call on the driver before ``RayPPOTrainer.init_workers``.
+
+    Writes ``algorithm.rollout_correction`` from our block (if any), then, whenever verl's block asks
+    for bypass mode (ours or set directly), does on the shared config what verl's
+    ``apply_bypass_mode`` does too late on the driver's copy: ``actor.policy_loss.loss_mode =
+    "bypass_mode"`` and ``actor.policy_loss.rollout_correction`` = verl's block. The workers receive
+    ``actor_rollout_ref`` by value when they are created, so only edits made before that reach them.
+    """
+    cfg = from_trainer_config(config)
+    if cfg is not None:
+        check_against_trainer(
+            cfg,
+            calculate_log_probs=bool(config.actor_rollout_ref.rollout.get("calculate_log_probs", False)),
+            policy_loss_mode=_policy_loss_mode(config),
+        )
+        fields = to_verl_fields(cfg)
+        current = config.algorithm.get(BLOCK)
+        if current is not None:
+            current_fields = OmegaConf.to_container(current, resolve=True)
+            if current_fields not in (fields, to_verl_fields(preset(DEFAULT_PRESET))):
+                raise ValueError(
+                    f"algorithm.{BLOCK} is set to {current_fields} and {BLOCK} (preset {cfg.preset!r}) asks for "
+                    f"{fields}: set rollout correction in one place only"
+                )
+        with open_dict(config.algorithm):
+            config.algorithm[BLOCK] = fields
+    _propagate_bypass(config)
+
+
+def _propagate_bypass(config: DictConfig) -> None:
+    verl_block = config.algorithm.get(BLOCK)
+    if verl_block is None or not verl_block.get("bypass_mode", False):
+        return
+    check_loss_mode(bypass_mode=True, policy_loss_mode=_policy_loss_mode(config))
+    policy_loss = config.actor_rollout_ref.actor.policy_loss
+    with open_dict(policy_loss):
+        policy_loss.loss_mode = "bypass_mode"
+        policy_loss[BLOCK] = OmegaConf.to_container(verl_block, resolve=True)
+
+
+def _policy_loss_mode(config: DictConfig) -> str:
+    return config.actor_rollout_ref.actor.policy_loss.get("loss_mode", "vanilla")
+
+
+def compute_lag_split_metrics(batch: DataProto, cfg: RolloutCorrectionConfig, current_version: int) -> dict[str, float]:
+    """``rollout_corr/lag_{k}/...``: verl's rollout-correction metrics over the tokens of each lag k.
+
+    Needs ``old_log_probs``, ``rollout_log_probs``, ``response_mask`` and the per-token int tensor
+    ``rollout_policy_version`` in ``batch.batch``; returns ``{}`` without the latter or with
+    ``log_by_lag`` off. Each lag gets ``token_fraction`` (its share of valid tokens) and, in
+    decoupled mode, every metric of verl's ``compute_rollout_correction_and_rejection_mask`` under
+    ``cfg`` (IS, RS, KL, PPL, chi2), computed on the rows holding that lag with only its tokens
+    unmasked. In bypass mode π_old is π_rollout on the driver, so only ``token_fraction`` is logged.
+    """
+    tensors = batch.batch
+    if not cfg.log_by_lag or POLICY_VERSION_KEY not in tensors.keys():
+        return {}
+    response_mask = tensors["response_mask"]
+    lags = token_lags(tensors[POLICY_VERSION_KEY], current_version, response_mask)
+    total_tokens = int(response_mask.bool().sum())
+    verl_kwargs = {key: value for key, value in to_verl_fields(cfg).items() if key not in _LOSS_FIELDS}
+    metrics: dict[str, float] = {}
+    for lag_slice in split_by_lag(lags, response_mask):
+        prefix = f"rollout_corr/lag_{lag_slice.lag}/"
+        metrics[prefix + "token_fraction"] = lag_slice.num_tokens / total_tokens
+        if cfg.bypass_mode:
+            continue
+        _, _, lag_metrics = compute_rollout_correction_and_rejection_mask(
+            old_log_prob=tensors["old_log_probs"][lag_slice.rows],
+            rollout_log_prob=tensors["rollout_log_probs"][lag_slice.rows],
+            response_mask=lag_slice.mask,
+            **verl_kwargs,
+        )
+        metrics.update({prefix + key.removeprefix("rollout_corr/"): value for key, value in lag_metrics.items()})
+    return metrics
+
+
+def apply_staleness_mask(batch: DataProto, cfg: RolloutCorrectionConfig, current_version: int) -> dict[str, float]:
+    """Zero ``response_mask`` for tokens older than ``cfg.max_token_staleness`` versions; count them.
+
+    A no-op returning ``{}`` when ``max_token_staleness`` is null. Replaces the mask tensor rather
+    than editing it in place, as verl's own rejection sampling does, so views taken earlier keep
+    the unmasked values.
+    """
+    if cfg.max_token_staleness is None:
+        return {}
+    tensors = batch.batch
+    if POLICY_VERSION_KEY not in tensors.keys():
+        raise ValueError(
+            f"{BLOCK}.max_token_staleness={cfg.max_token_staleness} needs the per-token {POLICY_VERSION_KEY!r} "
+            "tensor in the batch (written by partial rollout); without it no token's age is known"
+        )
+    lags = token_lags(tensors[POLICY_VERSION_KEY], current_version, tensors["response_mask"])
+    tensors["response_mask"], masked = mask_stale_tokens(tensors["response_mask"], lags, cfg.max_token_staleness)
+    return {STALE_TOKENS_METRIC: float(masked)}
+
+
+def guard_all_rejected(policy_loss_fn: PolicyLossFn) -> PolicyLossFn:
+    """Wrap a registered verl policy loss so a micro-batch with no trainable token adds exactly zero loss.
+
+    verl's ``bypass_mode`` loss raises ``ValueError("response_mask must contain at least one valid
+    token")`` on such a micro-batch, and ``token-mean`` aggregation turns an all-empty mini-batch
+    into 0/0. The guarded function instead returns a zero that is still attached to ``log_prob``'s
+    graph (so backward runs and FSDP's gradient hooks fire on every rank) and sets
+    ``rollout_corr/all_rejected_microbatches`` to 1 for it, 0 for other micro-batches; verl averages
+    per-micro-batch metrics, so the logged value is the fraction of micro-batches with nothing
+    trained. A micro-batch whose tokens the bypass loss's own rejection sampling all masks counts too.
+
+    The metric keys of an empty micro-batch are those verl's loss reports for an on-policy no-op
+    (log_prob = old_log_prob, zero advantages, all positions valid): verl aggregates metrics across
+    data-parallel ranks only when every rank reports the same keys the same number of times.
+    """
+    if getattr(policy_loss_fn, _GUARD_MARK, False):
+        return policy_loss_fn
+
+    @functools.wraps(policy_loss_fn)
+    def guarded(
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        loss_agg_mode: str = "token-mean",
+        config: Any = None,
+        rollout_is_weights: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, dict[str, Any]]:
+        if response_mask.any():
+            loss, metrics = policy_loss_fn(
+                old_log_prob=old_log_prob,
+                log_prob=log_prob,
+                advantages=advantages,
+                response_mask=response_mask,
+                loss_agg_mode=loss_agg_mode,
+                config=config,
+                rollout_is_weights=rollout_is_weights,
+            )
+            return loss, {**metrics, ALL_REJECTED_METRIC: float(_rejected_every_token(metrics, response_mask))}
+        with torch.no_grad():
+            _, metrics = policy_loss_fn(
+                old_log_prob=old_log_prob,
+                log_prob=old_log_prob,
+                advantages=torch.zeros_like(advantages),
+                response_mask=torch.ones_like(response_mask),
+                loss_agg_mode=loss_agg_mode,
+                config=config,
+                rollout_is_weights=rollout_is_weights,
+            )
+        zero = torch.where(response_mask.bool(), log_prob, torch.zeros_like(log_prob)).sum()
+        return zero, {**metrics, ALL_REJECTED_METRIC: 1.0}
+
+    setattr(guarded, _GUARD_MARK, True)
+    return guarded
+
+
+def _rejected_every_token(metrics: Mapping[str, Any], response_mask: torch.Tensor) -> bool:
+    """Whether the bypass loss's own rejection sampling masked all ``n`` valid tokens.
+
+    verl reports masked/(n + 1e-8) as a float32 mean; "more than n - 1/2 tokens masked" reads that
+    exactly for any micro-batch below several million tokens.
+    """
+    fraction = metrics.get(_RS_MASKED_FRACTION)
+    if fraction is None:
+        return False
+    valid = float(response_mask.sum())
+    return fraction > 1.0 - 0.5 / valid
+
+
+def install_all_rejected_guard(loss_modes: Iterable[str] | None = None) -> None:
+    """Guard the named (default: all registered) policy losses in verl's ``POLICY_LOSS_REGISTRY``.
+
+    verl's ``ppo_loss`` looks the loss up by name on every call (``get_policy_loss_fn``), so
+    replacing the registry entry is enough; patching the module attribute would not be. Must run in
+    each actor worker process; idempotent. Losses registered after the call are not guarded.
+    """
+    registry = core_algos.POLICY_LOSS_REGISTRY
+    for name in list(registry) if loss_modes is None else loss_modes:
+        registry[name] = guard_all_rejected(core_algos.get_policy_loss_fn(name))
