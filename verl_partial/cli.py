@@ -43,19 +43,29 @@ def demo_command(
     partial: str | None = "default",
     extra: Sequence[str] = (),
 ) -> list[str]:
-    """The full ``python -m verl.trainer.main_ppo`` command of the demo (and of the e2e tests)."""
+    """The full ``python -m verl.trainer.main_ppo`` command of the demo (and of the e2e tests).
+
+    An override in ``extra`` replaces the demo's own value for the same key (Hydra rejects a key
+    given twice).
+    """
     command = [sys.executable, "-m", "verl.trainer.main_ppo", "+backend=cpu"]
     if partial is not None:
         command.append(f"+partial={partial}")
-    command += [*assets_overrides, *DEMO_TRAINER_OVERRIDES]
-    command += [
+    defaults = [
+        *assets_overrides,
+        *DEMO_TRAINER_OVERRIDES,
         f"trainer.total_training_steps={steps}",
         f"trainer.test_freq={steps}",
         f"trainer.save_freq={steps}",
         f"trainer.default_local_dir={output_dir / 'checkpoints'}",
         "trainer.logger=[console]",
     ]
-    return command + list(extra)
+    replaced = {_override_key(item) for item in extra}
+    return command + [item for item in defaults if _override_key(item) not in replaced] + list(extra)
+
+
+def _override_key(override: str) -> str:
+    return override.partition("=")[0].lstrip("+~")
 
 
 def _demo(args: argparse.Namespace) -> int:

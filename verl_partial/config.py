@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 
+from verl_partial.core.balance_config import BalanceConfig
 from verl_partial.core.partial_config import PartialConfig
 from verl_partial.cpu_backend.config import BackendConfig
 
@@ -66,8 +67,32 @@ def check_partial_against_trainer(config: DictConfig) -> None:
         raise ValueError("partial rollout cannot run with this config:\n  - " + "\n  - ".join(problems))
 
 
+def check_balance_against_trainer(config: DictConfig) -> None:
+    """Group-preserving balancing relies on the actor splitting its shard into mini-batches in order."""
+    balance = block_to_dataclass(config, "balance", BalanceConfig)
+    if not config.trainer.get("balance_batch", True):
+        raise ValueError("balance needs trainer.balance_batch=true: verl only balances (and we only hook) then")
+    if balance.enable and config.actor_rollout_ref.actor.get("shuffle", False):
+        raise ValueError(
+            "balance.enable=true needs actor_rollout_ref.actor.shuffle=false: a shuffled actor regroups "
+            "mini-batches per rank, so no order can keep groups together"
+        )
+
+
 def validate_root_config(config: DictConfig) -> None:
     """Validate every block of ours present in ``config``; raises ValueError naming the key."""
     backend_config(config)
     if partial_config(config) is not None:
         check_partial_against_trainer(config)
+    if config.get("balance") is not None:
+        check_balance_against_trainer(config)
+    if config.get("rollout_correction") is not None:
+        from verl_partial.core.correction import check_against_trainer, from_mapping
+
+        raw = config.rollout_correction
+        correction = from_mapping(OmegaConf.to_container(raw, resolve=True) if isinstance(raw, DictConfig) else raw)
+        check_against_trainer(
+            correction,
+            calculate_log_probs=bool(config.actor_rollout_ref.rollout.get("calculate_log_probs", False)),
+            policy_loss_mode=config.actor_rollout_ref.actor.policy_loss.get("loss_mode", "vanilla"),
+        )

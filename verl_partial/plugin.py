@@ -20,3 +20,7 @@ except Exception as error:  # noqa: BLE001 - any failure must surface, whatever 
     message = f"verl-partial failed to register with verl and is inactive: {error!r}"
     logging.getLogger("verl_partial").error(message)
     warnings.warn(message, RuntimeWarning, stacklevel=1)
+    try:
+        verl_patches.install_failure_guard(error)
+    except Exception:  # noqa: BLE001 - the warning above already reports the failure
+        pass

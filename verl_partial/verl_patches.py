@@ -63,6 +63,29 @@ def install() -> None:
     _wrap_trainer()
 
 
+def install_failure_guard(error: BaseException) -> None:
+    """After a failed install: any config that asks for our features fails with the install error.
+
+    Without this, verl (which loads plugins silently) would ignore our blocks and train as if they
+    were not there.
+    """
+    import verl.utils.device as device
+
+    original = device.auto_set_device
+
+    @functools.wraps(original)
+    def auto_set_device(config):
+        if config is not None and uses_our_config(config):
+            blocks = [name for name in OUR_CONFIG_BLOCKS if _block_enabled(config, name)]
+            raise RuntimeError(
+                f"the config asks for verl-partial ({', '.join(blocks)}) but verl-partial failed to register "
+                f"with verl: {error!r}"
+            ) from error
+        return original(config)
+
+    device.auto_set_device = auto_set_device
+
+
 # --------------------------------------------------------------------------------------------
 # CPU backend
 # --------------------------------------------------------------------------------------------
@@ -260,8 +283,9 @@ def _patch_ray_trainer(module: ModuleType) -> None:
 
     @functools.wraps(original_balance)
     def _balance_batch(self, batch, metrics, *args, **kwargs):
-        if trainer_hooks.balance_enabled(self.config):
-            return trainer_hooks.balance_batch(self, batch, metrics)
+        if self.config.get("balance") is not None:
+            default = functools.partial(original_balance, self, *args, **kwargs)
+            return trainer_hooks.balance_batch(self, batch, metrics, lambda b, m: default(b, m))
         return original_balance(self, batch, metrics, *args, **kwargs)
 
     trainer_cls._balance_batch = _balance_batch

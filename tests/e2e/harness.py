@@ -47,6 +47,7 @@ def run_trainer(
     steps: int,
     partial: str | None = None,
     extra: list[str] | tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
 ) -> Run:
     output_dir.mkdir(parents=True, exist_ok=True)
     metrics_file = output_dir / f"metrics_{len(list(output_dir.glob('metrics_*.jsonl')))}.jsonl"
@@ -55,13 +56,11 @@ def run_trainer(
         steps=steps,
         output_dir=output_dir,
         partial=partial,
-        extra=[
-            "trainer.logger=[console,file]",
-            f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_FILE_LOGGER_PATH={metrics_file}",
-            *extra,
-        ],
+        extra=["trainer.logger=[console,file]", *extra],
     )
-    env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_file), "RAY_DEDUP_LOGS": "0"}
+    # Ray workers of a local cluster inherit the driver's environment: verl's file logger (in the
+    # TaskRunner) and the CPU server's fault injection read theirs from here.
+    env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_file), "RAY_DEDUP_LOGS": "0", **(env or {})}
     completed = subprocess.run(command, cwd=output_dir, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     steps_logged: dict[int, dict[str, Any]] = {}
     if metrics_file.exists():

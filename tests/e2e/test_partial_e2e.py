@@ -159,3 +159,25 @@ def test_resume_from_a_checkpoint_loses_and_duplicates_nothing(straight_run, dem
 
     straight_trained, straight_admitted, straight_gone = _accounting(ledger(straight_run.output_dir / "ledger.jsonl"))
     assert admitted == straight_admitted, "the resumed run draws exactly the prompts the uninterrupted run drew"
+
+
+def test_failing_and_hanging_generate_calls_are_retried_and_counted(demo_assets, tmp_path):
+    """Invariant 11: injected server faults are retried or take their group out; every step stays full."""
+    run = run_trainer(
+        demo_assets,
+        tmp_path,
+        steps=2,
+        partial="default",
+        extra=[
+            "partial.request_timeout_s=3",
+            "partial.max_retries=1",
+            f"partial.dump_dir={tmp_path / 'dump'}",
+            "trainer.test_freq=0",  # validation has no retry: faults would fail it by design
+        ],
+        env={"VERL_PARTIAL_CPU_FAULTS": "raise=0.08,hang=0.03,hang_s=20,seed=3"},
+    )
+    run.assert_ok()
+    assert sum(run.metric(step, "partial/failed_calls") for step in (1, 2)) > 0
+    for step in (1, 2):
+        samples = torch.load(tmp_path / "dump" / f"step_{step}.pt")["samples"]
+        assert len({s["key"] for s in samples}) == GROUPS and len(samples) == GROUPS * N

@@ -448,7 +448,8 @@ def test_hydra_group_yaml_mirrors_dataclass():
     path = REPO / "hydra_configs" / "balance" / "group.yaml"
     assert path.read_text().splitlines()[0].strip() == "# @package _global_"
     loaded = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    assert set(loaded) == {"balance"}
+    assert set(loaded) == {"balance", "trainer"}
+    assert loaded["trainer"] == {"balance_batch": True}  # verl only calls its balancer (which we replace) then
     block = loaded["balance"]
     expected = BalanceConfig(enable=True)
     names = [f.name for f in dataclasses.fields(BalanceConfig)]

@@ -45,6 +45,8 @@ class SampleState:
     restarts: int = 0
     tokens_this_step: int = 0
     steps_touched: list[int] = field(default_factory=list)
+    # Which server answered the last segment, when the backend says (sticky routing check).
+    last_route: str | None = None
     # The trainer's finished row for this sample (opaque here; verl's padded output row in the glue).
     output: Any = None
 
@@ -104,6 +106,7 @@ class StepCounters:
     failed_groups: int = 0
     failed_calls: int = 0
     budget_rounds: int = 0
+    route_changes: int = 0
 
 
 @dataclass
@@ -249,6 +252,7 @@ class RolloutPool(Generic[P]):
         eos: bool,
         prompt_ids: list[int] | None = None,
         output: Any = None,
+        route: str | None = None,
     ) -> None:
         """Record a segment's output; every new token is tagged with the current policy version."""
         group = self.groups.get(ref.group_id)
@@ -270,6 +274,10 @@ class RolloutPool(Generic[P]):
             elif group.prompt_ids != list(prompt_ids):
                 raise ValueError(f"prompt tokens of group {group.key} changed between segments")
         sample.in_flight = False
+        if route is not None:
+            if sample.last_route is not None and route != sample.last_route and sample.token_ids:
+                self.counters.route_changes += 1
+            sample.last_route = route
         sample.segments += 1
         sample.token_ids.extend(new_ids)
         sample.log_probs.extend(new_log_probs)
@@ -364,6 +372,7 @@ class RolloutPool(Generic[P]):
             "partial/failed_groups": float(self.counters.failed_groups),
             "partial/failed_calls": float(self.counters.failed_calls),
             "partial/budget_rounds": float(self.counters.budget_rounds),
+            "partial/route_changes": float(self.counters.route_changes),
             "partial/tokens_generated": float(self.counters.tokens_generated),
             "partial/tokens_trained": float(trained_tokens),
             "partial/tokens_discarded": float(self.counters.tokens_discarded),

@@ -25,6 +25,7 @@ class SegmentResult:
     eos: bool
     prompt_ids: list[int] | None = None
     output: Any = None
+    route: str | None = None
 
 
 class SegmentBackend(Protocol[P]):
@@ -99,6 +100,7 @@ async def run_step(
             eos=result.eos,
             prompt_ids=result.prompt_ids,
             output=result.output,
+            route=result.route,
         )
 
     try:

@@ -13,6 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import os
+import random
 from collections.abc import Generator
 from typing import Any
 
@@ -29,6 +30,33 @@ from verl_partial.cpu_backend.engine import CpuBatchedEngine, SamplingParams
 logger = logging.getLogger("verl_partial.cpu_backend")
 
 SERVER_NAME_PREFIX = "verl_partial_cpu_server_"
+# Fault injection for resilience tests, e.g. "raise=0.1,hang=0.05,hang_s=30,seed=0": each generate
+# call raises with probability `raise`, or stalls `hang_s` seconds with probability `hang`.
+FAULTS_ENV = "VERL_PARTIAL_CPU_FAULTS"
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultInjection:
+    raise_rate: float = 0.0
+    hang_rate: float = 0.0
+    hang_s: float = 30.0
+    seed: int = 0
+
+    @classmethod
+    def from_env(cls, spec: str | None) -> FaultInjection:
+        if not spec:
+            return cls()
+        names = {"raise": "raise_rate", "hang": "hang_rate", "hang_s": "hang_s", "seed": "seed"}
+        values: dict[str, float] = {}
+        for item in spec.split(","):
+            key, _, value = item.partition("=")
+            if key.strip() not in names:
+                raise ValueError(f"{FAULTS_ENV}: unknown key {key.strip()!r}; allowed: {sorted(names)}")
+            values[names[key.strip()]] = float(value)
+        if "seed" in values:
+            values["seed"] = int(values["seed"])
+        return cls(**values)
+
 
 # Sampling keys the CPU engine honours; a key outside this set that would change what is sampled is
 # an error rather than being silently ignored.
@@ -72,6 +100,8 @@ class CpuRolloutServer:
             self.model_config.local_path, dtype=torch.float32, attn_implementation="eager"
         )
         model.eval()
+        self.faults = FaultInjection.from_env(os.environ.get(FAULTS_ENV))
+        self.fault_rng = random.Random(self.faults.seed * 1000 + replica_rank)
         self.max_model_len = self.config.prompt_length + self.config.response_length
         self.engine = CpuBatchedEngine(
             model,
@@ -106,6 +136,11 @@ class CpuRolloutServer:
     ) -> TokenOutput:
         if image_data or video_data:
             raise ValueError("the CPU rollout backend is text-only")
+        draw = self.fault_rng.random()
+        if draw < self.faults.raise_rate:
+            raise RuntimeError(f"injected fault ({FAULTS_ENV})")
+        if draw < self.faults.raise_rate + self.faults.hang_rate:
+            await asyncio.sleep(self.faults.hang_s)
         prompt_ids = [int(token) for token in prompt_ids]
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
@@ -120,7 +155,7 @@ class CpuRolloutServer:
             log_probs=result.log_probs,
             # verl's vLLM server reports EOS and max_tokens both as "completed".
             stop_reason="aborted" if result.stop_reason == "aborted" else "completed",
-            extra_fields={"global_steps": self.global_steps},
+            extra_fields={"global_steps": self.global_steps, "server_address": self.get_server_address()},
         )
 
     async def load_weights(self, named_tensors: dict[str, torch.Tensor], global_steps: int | None) -> None:

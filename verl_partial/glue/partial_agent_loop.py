@@ -27,7 +27,9 @@ from verl.utils.profiler import simple_timer
 PARTIAL_AGENT_NAME = "verl_partial_segment"
 SEGMENT_KEY = "partial_segment"
 # Extra fields the segment returns; the manager strips them from the training batch.
-RESULT_FIELDS = ("partial_new_ids", "partial_new_log_probs", "partial_eos", "partial_prompt_ids")
+RESULT_FIELDS = ("partial_new_ids", "partial_new_log_probs", "partial_eos", "partial_prompt_ids", "partial_route")
+# Servers that say who they are (our CPU server does) let the pool check sticky routing.
+ROUTE_FIELD = "server_address"
 
 # The training batch never needs a reward for a half-finished response; a placeholder score makes
 # verl's worker skip the reward call for it. The row is discarded by the manager.
@@ -90,6 +92,7 @@ class PartialSegmentAgentLoop(AgentLoopBase):
                 "partial_new_log_probs": new_log_probs,
                 "partial_eos": eos,
                 "partial_prompt_ids": prompt_ids,
+                "partial_route": output.extra_fields.get(ROUTE_FIELD),
                 "turn_scores": [],
                 "tool_rewards": [],
             },

@@ -164,6 +164,7 @@ class AgentLoopSegmentBackend:
             eos=bool(fields["partial_eos"][0]),
             prompt_ids=[int(t) for t in fields["partial_prompt_ids"][0]],
             output=output,
+            route=fields["partial_route"][0],
         )
 
     async def abort_all(self) -> None:
