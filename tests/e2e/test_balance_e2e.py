@@ -14,28 +14,15 @@ TWO_RANKS = (
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8",
     "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8",
     "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=8",
+    "trainer.test_freq=0",
 )
 
 
 def test_groups_stay_in_one_mini_batch_with_two_ranks_and_partial_rollout(demo_assets, tmp_path):
-    run = run_trainer(
-        demo_assets, tmp_path, steps=2, partial="default", extra=[*TWO_RANKS, "+balance=group", "trainer.test_freq=0"]
-    )
+    run = run_trainer(demo_assets, tmp_path, steps=2, partial="default", extra=[*TWO_RANKS, "+balance=group"])
     run.assert_ok()
     for step in (1, 2):
         assert run.metric(step, "balance/groups_split") == 0
         assert run.metric(step, "balance/efficiency") >= 1.0
         # Invariant 10: every resumed segment went back to the replica holding its prefix.
         assert run.metric(step, "partial/route_changes") == 0
-
-
-def test_verls_default_balancing_splits_groups(demo_assets, tmp_path):
-    """The same layout with verl's own _balance_batch, measured by ``balance.enable=false``."""
-    run = run_trainer(
-        demo_assets,
-        tmp_path,
-        steps=2,
-        extra=[*TWO_RANKS, "+balance=group", "balance.enable=false", "trainer.test_freq=0"],
-    )
-    run.assert_ok()
-    assert max(run.metric(step, "balance/groups_split") for step in (1, 2)) > 0

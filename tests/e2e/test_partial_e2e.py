@@ -106,6 +106,9 @@ def test_trainer_logs_partial_and_lag_split_metrics(straight_run):
         assert straight_run.metric(step, "partial/in_flight_groups") <= GROUPS + 4
         for key in ("partial/resumed_fraction", "partial/staleness/mean", "partial/tokens_generated"):
             straight_run.metric(step, key)
+        # The decoupled preset ran on the driver: the old-log-prob pass and verl's IS weights.
+        assert "timing_s/old_log_prob" in metrics
+        assert any(key.startswith("rollout_corr/rollout_is") for key in metrics), sorted(metrics)
         # The per-token version tensor reached training: verl's correction metrics, split by lag.
         assert any(key.startswith("rollout_corr/lag_0/") for key in metrics)
         assert straight_run.metric(step, "timing_s/gen") > 0

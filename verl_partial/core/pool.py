@@ -96,9 +96,11 @@ class SegmentRequest:
 
 
 @dataclass
-class StepCounters:
-    """Per-step counts that become ``partial/*`` metrics."""
+class Counters:
+    """Counts behind the ``partial/*`` metrics; the pool keeps one per step and one for the run (checkpointed)."""
 
+    admitted_groups: int = 0
+    trained_groups: int = 0
     tokens_generated: int = 0
     tokens_discarded: int = 0
     restarted_samples: int = 0
@@ -107,22 +109,6 @@ class StepCounters:
     failed_calls: int = 0
     budget_rounds: int = 0
     route_changes: int = 0
-
-
-@dataclass
-class Totals:
-    """Run-long counts, checkpointed with the pool."""
-
-    admitted_groups: int = 0
-    trained_groups: int = 0
-    dropped_groups: int = 0
-    failed_groups: int = 0
-    restarted_samples: int = 0
-    tokens_discarded: int = 0
-
-
-class GroupTakenOut(Exception):
-    """Internal signal: a sample's failures exhausted its retries."""
 
 
 class RolloutPool(Generic[P]):
@@ -142,9 +128,14 @@ class RolloutPool(Generic[P]):
         self.next_group_id = 0
         self.version = 0
         self.step = 0
-        self.counters = StepCounters()
-        self.totals = Totals()
+        self.counters = Counters()
+        self.totals = Counters()
         self.events: list[tuple[str, str]] = []
+
+    def _count(self, **deltas: int) -> None:
+        for counts in (self.counters, self.totals):
+            for name, delta in deltas.items():
+                setattr(counts, name, getattr(counts, name) + delta)
 
     # ---------------------------------------------------------------- admission
     @property
@@ -161,7 +152,7 @@ class RolloutPool(Generic[P]):
         self.next_group_id += 1
         samples = [SampleState() for _ in range(self.group_size)]
         self.groups[group_id] = GroupState(group_id, key, prompt, samples, admitted_step=self.step)
-        self.totals.admitted_groups += 1
+        self._count(admitted_groups=1)
         self.events.append(("admitted", key))
         return group_id
 
@@ -176,7 +167,7 @@ class RolloutPool(Generic[P]):
         if version < self.version:
             raise ValueError(f"policy version went backwards: {self.version} -> {version}")
         self.step, self.version = step, version
-        self.counters = StepCounters()
+        self.counters = Counters()
         for group in list(self.groups.values()):
             for sample in group.samples:
                 if sample.in_flight:
@@ -200,21 +191,11 @@ class RolloutPool(Generic[P]):
         for sample in stale:
             thrown = sample.discard_tokens()
             sample.restarts += 1
-            self.counters.tokens_discarded += thrown
-            self.counters.restarted_samples += 1
-            self.totals.tokens_discarded += thrown
-            self.totals.restarted_samples += 1
+            self._count(tokens_discarded=thrown, restarted_samples=1)
 
     def _take_out(self, group: GroupState[P], reason: str) -> None:
         thrown = sum(len(sample.token_ids) for sample in group.samples)
-        self.counters.tokens_discarded += thrown
-        self.totals.tokens_discarded += thrown
-        if reason == "dropped":
-            self.counters.dropped_groups += 1
-            self.totals.dropped_groups += 1
-        else:
-            self.counters.failed_groups += 1
-            self.totals.failed_groups += 1
+        self._count(tokens_discarded=thrown, **{f"{reason}_groups": 1})
         del self.groups[group.group_id]
         self.events.append((reason, group.key))
 
@@ -276,7 +257,7 @@ class RolloutPool(Generic[P]):
         sample.in_flight = False
         if route is not None:
             if sample.last_route is not None and route != sample.last_route and sample.token_ids:
-                self.counters.route_changes += 1
+                self._count(route_changes=1)
             sample.last_route = route
         sample.segments += 1
         sample.token_ids.extend(new_ids)
@@ -287,7 +268,7 @@ class RolloutPool(Generic[P]):
             sample.steps_touched.append(self.step)
         sample.finished = eos or len(sample.token_ids) >= self.response_length
         sample.output = output if sample.finished else None
-        self.counters.tokens_generated += len(new_ids)
+        self._count(tokens_generated=len(new_ids))
 
     def fail_segment(self, ref: SampleRef) -> bool:
         """Record a call that raised or timed out; returns True when the group was taken out."""
@@ -297,7 +278,7 @@ class RolloutPool(Generic[P]):
         sample = group.samples[ref.index]
         sample.in_flight = False
         sample.failures += 1
-        self.counters.failed_calls += 1
+        self._count(failed_calls=1)
         if sample.failures > self.config.max_retries:
             self._take_out(group, "failed")
             return True
@@ -331,7 +312,7 @@ class RolloutPool(Generic[P]):
         for group in self.groups.values():
             for sample in group.samples:
                 sample.tokens_this_step = 0
-        self.counters.budget_rounds += 1
+        self._count(budget_rounds=1)
 
     def take_ready(self) -> list[GroupState[P]]:
         """Hand ``batch_groups`` finished groups to training, oldest first, and forget them."""
@@ -344,7 +325,7 @@ class RolloutPool(Generic[P]):
         for group in taken:
             del self.groups[group.group_id]
             self.events.append(("trained", group.key))
-        self.totals.trained_groups += len(taken)
+        self._count(trained_groups=len(taken))
         return taken
 
     # ---------------------------------------------------------------- metrics
@@ -422,7 +403,7 @@ class RolloutPool(Generic[P]):
         self.next_group_id = state["next_group_id"]
         self.version = state["version"]
         self.step = state["step"]
-        self.totals = Totals(**state["totals"])
+        self.totals = Counters(**state["totals"])
 
 
 def _shallow_fields(obj: Any) -> dict[str, Any]:
