@@ -118,36 +118,24 @@ def balance_config(config: Any):
     return block_to_dataclass(config, "balance", BalanceConfig)
 
 
-def balance_batch(trainer: Any, batch: Any, metrics: dict[str, Any], verl_default: Any) -> None:
+def balance_batch(trainer: Any, batch: Any, metrics: dict[str, Any], dp_size: int, verl_default: Any) -> None:
     """Group-preserving balancing in place of verl's; with ``balance.enable=false``, measure verl's own.
 
-    ``verl_default`` is verl's original ``_balance_batch`` bound to the trainer; the measurement mode
-    runs it unchanged and reports how many groups its order splits across mini-batches.
+    ``verl_default(batch, metrics)`` is verl's original ``_balance_batch``; the measurement mode runs it
+    unchanged and reports how many groups its order splits across mini-batches.
     """
-    from verl_partial.core.balance import evaluate_permutation
-    from verl_partial.glue.balance import balance_batch_by_group, sample_costs
+    from verl_partial.glue.balance import balance_batch_by_group, measure_batch_order
 
     config = balance_config(trainer.config)
-    actor = trainer.config.actor_rollout_ref.actor
-    dp_size = trainer._get_dp_size(trainer.actor_rollout_wg, "actor")
-    mini_batch = actor.ppo_mini_batch_size * trainer.config.actor_rollout_ref.rollout.n
-    if config.enable:
-        model_config = None
-        if config.cost == "flops":
-            from transformers import AutoConfig
+    mini_batch = trainer.config.actor_rollout_ref.actor.ppo_mini_batch_size * trainer.config.actor_rollout_ref.rollout.n
+    model_config = None
+    if config.cost == "flops":
+        from transformers import AutoConfig
 
-            model_config = AutoConfig.from_pretrained(trainer.config.actor_rollout_ref.model.path)
-        metrics.update(
-            balance_batch_by_group(
-                batch, config=config, dp_size=dp_size, mini_batch_size_samples=mini_batch, model_config=model_config
-            )
-        )
-        return
-    verl_default(batch, metrics)
-    mask = batch.batch["attention_mask"]
-    costs = sample_costs(mask.reshape(mask.shape[0], -1).sum(-1), config.cost)
-    identity = list(range(len(costs)))
-    stats = evaluate_permutation(
-        identity, costs, batch.non_tensor_batch[config.group_key], dp_size=dp_size, mini_batch_size=mini_batch
-    )
-    metrics.update(stats.to_metrics())
+        model_config = AutoConfig.from_pretrained(trainer.config.actor_rollout_ref.model.path)
+    sizes = dict(config=config, dp_size=dp_size, mini_batch_size_samples=mini_batch, model_config=model_config)
+    if config.enable:
+        metrics.update(balance_batch_by_group(batch, **sizes))
+    else:
+        verl_default(batch, metrics)
+        metrics.update(measure_batch_order(batch, **sizes))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import importlib.abc
-import logging
 import os
 import sys
 from collections.abc import Callable
@@ -20,7 +19,6 @@ from typing import Any
 
 from packaging.version import Version
 
-logger = logging.getLogger("verl_partial")
 
 SUPPORTED_VERL = (Version("0.9.0"), Version("0.10.0"))
 CPU_PLATFORM_ENV = "VERL_PLATFORM"
@@ -284,8 +282,12 @@ def _patch_ray_trainer(module: ModuleType) -> None:
     @functools.wraps(original_balance)
     def _balance_batch(self, batch, metrics, *args, **kwargs):
         if self.config.get("balance") is not None:
-            default = functools.partial(original_balance, self, *args, **kwargs)
-            return trainer_hooks.balance_batch(self, batch, metrics, lambda b, m: default(b, m))
+            dp_size = self._get_dp_size(self.actor_rollout_wg, "actor")
+
+            def verl_default(b, m):
+                return original_balance(self, b, m, *args, **kwargs)
+
+            return trainer_hooks.balance_batch(self, batch, metrics, dp_size, verl_default)
         return original_balance(self, batch, metrics, *args, **kwargs)
 
     trainer_cls._balance_batch = _balance_batch

@@ -19,10 +19,10 @@ import torch
 from verl import DataProto
 from verl.utils.seqlen_balancing import calculate_workload
 
-from verl_partial.core.balance import balance_groups
+from verl_partial.core.balance import balance_groups, evaluate_permutation
 from verl_partial.core.balance_config import BalanceConfig
 
-__all__ = ["balance_batch_by_group", "sample_costs", "flops_per_sample"]
+__all__ = ["balance_batch_by_group", "measure_batch_order", "sample_costs", "flops_per_sample"]
 
 
 def _attr(cfg: Any, *names: str) -> Any:
@@ -114,15 +114,7 @@ def balance_batch_by_group(
     """
     if not config.enable:
         return {}
-    keys = batch.non_tensor_batch.get(config.group_key)
-    if keys is None:
-        raise ValueError(
-            f"balance.group_key={config.group_key!r} is not a non-tensor key of the batch; "
-            f"available non-tensor keys: {sorted(batch.non_tensor_batch)}"
-        )
-    mask = batch.batch["attention_mask"]
-    seqlen = mask.reshape(mask.shape[0], -1).sum(-1)
-    costs = sample_costs(seqlen, config.cost, model_config)
+    keys, costs = _keys_and_costs(batch, config, model_config)
 
     start = time.perf_counter()
     result = balance_groups(
@@ -138,3 +130,25 @@ def balance_batch_by_group(
     metrics = result.stats.to_metrics(prefix="balance/")
     metrics["balance/time_ms"] = elapsed_ms
     return metrics
+
+
+def measure_batch_order(
+    batch: DataProto, *, config: BalanceConfig, dp_size: int, mini_batch_size_samples: int, model_config: Any = None
+) -> dict[str, float]:
+    """``balance/*`` metrics of the batch's current order, e.g. after verl's own ``_balance_batch``."""
+    keys, costs = _keys_and_costs(batch, config, model_config)
+    stats = evaluate_permutation(
+        list(range(len(costs))), costs, keys, dp_size=dp_size, mini_batch_size=mini_batch_size_samples
+    )
+    return stats.to_metrics(prefix="balance/")
+
+
+def _keys_and_costs(batch: DataProto, config: BalanceConfig, model_config: Any) -> tuple[np.ndarray, np.ndarray]:
+    keys = batch.non_tensor_batch.get(config.group_key)
+    if keys is None:
+        raise ValueError(
+            f"balance.group_key={config.group_key!r} is not a non-tensor key of the batch; "
+            f"available non-tensor keys: {sorted(batch.non_tensor_batch)}"
+        )
+    mask = batch.batch["attention_mask"]
+    return keys, sample_costs(mask.reshape(mask.shape[0], -1).sum(-1), config.cost, model_config)
