@@ -19,7 +19,6 @@ from typing import Any
 
 from packaging.version import Version
 
-
 SUPPORTED_VERL = (Version("0.9.0"), Version("0.10.0"))
 CPU_PLATFORM_ENV = "VERL_PLATFORM"
 CPU_ROLLOUT_NAME = "cpu"
