@@ -200,6 +200,31 @@ def test_prefill_budget_splits_a_burst_of_prompts(model: Qwen2ForCausalLM) -> No
         _assert_matches_recompute(model, prompt, result)
 
 
+def test_prefill_groups_long_and_short_prompts_apart(model: Qwen2ForCausalLM) -> None:
+    """Resumed samples (long prompt + prefix) do not pad fresh short prompts up to their length."""
+    prompts = _prompts(400, 10, 12, 420)
+
+    async def main() -> tuple[list[GenerationResult], list[list[int]]]:
+        engine = CpuBatchedEngine(model, eos_token_ids=set())
+        batches: list[list[int]] = []
+        prefill = engine._kv.prefill
+
+        def recording(batch: list[list[int]], first_slot: int) -> torch.Tensor:
+            batches.append(sorted(len(p) for p in batch))
+            return prefill(batch, first_slot)
+
+        engine._kv.prefill = recording  # type: ignore[method-assign]
+        params = SamplingParams(max_tokens=4)
+        results = await asyncio.gather(*(engine.generate(f"r{i}", p, params) for i, p in enumerate(prompts)))
+        await engine.close()
+        return results, batches
+
+    results, batches = _run(main)
+    assert batches == [[400, 420], [10, 12]]
+    for prompt, result in zip(prompts, results, strict=True):
+        _assert_matches_recompute(model, prompt, result)
+
+
 def test_resume_from_partial_response_continues_greedy_output(model: Qwen2ForCausalLM) -> None:
     prompt = _prompts(10)[0]
     greedy = SamplingParams(max_tokens=20, temperature=0.0)

@@ -39,6 +39,10 @@ StopReason = Literal["completed", "length", "aborted"]
 LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
 
 
+# Below this many padded tokens a prefill batch is cheap whatever its padding; above it, lengths are grouped.
+_CHEAP_PREFILL_TOKENS = 512
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling settings (the subset of vLLM's that verl's rollout uses).
@@ -331,15 +335,9 @@ class CpuBatchedEngine:
             return None
         moves = self._compact()
         num_decode = len(self._slots)
-        joiners: list[_Request] = []
-        width = 0
-        while self._waiting and len(self._slots) < self.max_num_seqs:
-            width = max(width, len(self._waiting[0].prompt_ids))
-            if joiners and width * (len(joiners) + 1) > self.max_num_batched_tokens:
-                break
-            request = self._waiting.popleft()
-            joiners.append(request)
-            self._slots.append(request)
+        joiners = self._pick_joiners(self.max_num_seqs - len(self._slots))
+        self._slots.extend(joiners)
+        width = max((len(r.prompt_ids) for r in joiners), default=0)
         if not self._slots:
             return None
         decoding = self._slots[:num_decode]
@@ -352,6 +350,34 @@ class CpuBatchedEngine:
             max_len=max([r.cached_len + 1 for r in decoding] + [width]),
         )
         return plan, list(self._slots)
+
+    def _pick_joiners(self, free_slots: int) -> list[_Request]:
+        """Waiting requests to prefill this step: the oldest first, then others of a similar length.
+
+        A prefill batch is padded to its longest prompt; resumed partial rollouts mix 20-token prompts
+        with 500-token prompt+prefix ones, so joining strictly in arrival order would mostly compute
+        padding. Beyond a small batch (where padding is cheap), admitting only prompts within 2x of the
+        oldest one's length bounds that waste; the others keep their place in the queue for the next step.
+        """
+        if free_slots <= 0 or not self._waiting:
+            return []
+        anchor = len(self._waiting[0].prompt_ids)
+        joiners: list[_Request] = []
+        width = 0
+        for request in list(self._waiting):
+            if len(joiners) == free_slots:
+                break
+            length = len(request.prompt_ids)
+            padded = max(width, length) * (len(joiners) + 1)
+            if joiners and padded > _CHEAP_PREFILL_TOKENS and not anchor / 2 <= length <= anchor * 2:
+                continue
+            if joiners and padded > self.max_num_batched_tokens:
+                break
+            width = max(width, length)
+            joiners.append(request)
+        for request in joiners:
+            self._waiting.remove(request)
+        return joiners
 
     def _compact(self) -> list[tuple[int, int, int]]:
         """Drop finished requests from the slots; fill each hole with a live request from the tail."""

@@ -161,11 +161,16 @@ class SlotKVModel:
         cos, sin = backbone.rotary_emb(hidden, positions)
         cos_q, sin_q = cos[:, None, None], sin[:, None, None]  # broadcast over [B, KVH, G, T, D]
         cos_k, sin_k = cos[:, None], sin[:, None]  # broadcast over [B, KVH, T, D]
-        key_len = width if prefill else int(positions.max()) + 1
-        # Query at position p sees keys 0..p of its own slot: causal for prefill, the slot's history for decode.
-        visible = torch.arange(key_len)[None, None, :] <= positions[:, :, None]  # [B, T, L]
-        mask = visible[:, None, None].expand(batch, 1, self.group, width, key_len).reshape(batch, 1, -1, key_len)
         rows = torch.arange(slots.start, slots.stop)
+        # Query at position p sees keys 0..p of its own slot: causal for prefill, the slot's history for decode.
+        # Decode attends per length bucket (see _length_buckets) instead of padding every row to the longest.
+        buckets = [torch.arange(batch)] if prefill else _length_buckets(positions[:, 0])
+        spans = []
+        for members in buckets:
+            key_len = width if prefill else int(positions[members].max()) + 1
+            visible = torch.arange(key_len)[None, None, :] <= positions[members][:, :, None]  # [b, T, L]
+            mask = visible[:, None, None].expand(len(members), 1, self.group, width, key_len)
+            spans.append((members, key_len, mask.reshape(len(members), 1, -1, key_len)))
         for index, layer in enumerate(backbone.layers):
             attn = layer.self_attn
             normed = layer.input_layernorm(hidden)
@@ -185,14 +190,30 @@ class SlotKVModel:
             else:
                 key_cache[rows, :, positions[:, 0]] = k[:, :, 0]
                 value_cache[rows, :, positions[:, 0]] = v[:, :, 0]
-                k = key_cache[slots, :, :key_len]
-                v = value_cache[slots, :, :key_len]
             q = q.reshape(batch, self.num_kv_heads, self.group * width, self.head_dim)
-            scores = torch.matmul(q, k.transpose(-1, -2)) * self.scaling
-            scores = scores.masked_fill(~mask, float("-inf"))
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            out = torch.matmul(probs, v).view(batch, self.num_kv_heads, self.group, width, self.head_dim)
+            out = torch.empty_like(q)
+            for members, key_len, mask in spans:
+                if prefill:
+                    keys, values = k, v
+                else:
+                    keys, values = key_cache[rows[members], :, :key_len], value_cache[rows[members], :, :key_len]
+                scores = torch.matmul(q[members], keys.transpose(-1, -2)) * self.scaling
+                scores = scores.masked_fill(~mask, float("-inf"))
+                probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+                out[members] = torch.matmul(probs, values)
+            out = out.view(batch, self.num_kv_heads, self.group, width, self.head_dim)
             out = out.permute(0, 3, 1, 2, 4).reshape(batch, width, self.num_heads * self.head_dim)
             hidden = hidden + attn.o_proj(out)
             hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         return hidden
+
+
+def _length_buckets(positions: torch.Tensor) -> list[torch.Tensor]:
+    """Decode rows grouped so that no row attends over more than twice its own history.
+
+    Padded attention costs (rows x longest history); a batch mixing resumed long samples with fresh
+    short ones -- exactly what partial rollout produces -- would pay the longest history for every
+    row. Power-of-two buckets bound that waste at 2x, like a coarse version of paged attention.
+    """
+    bucket_of = torch.ceil(torch.log2((positions + 1).to(torch.float64))).to(torch.long)
+    return [torch.nonzero(bucket_of == bucket).flatten() for bucket in torch.unique(bucket_of)]
