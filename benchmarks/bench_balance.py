@@ -39,6 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from _machine import cpu_name
 from verl.utils.seqlen_balancing import (  # noqa: E402
     calculate_workload,
     get_group_balanced_partitions,
@@ -186,14 +187,7 @@ def run(repeats: int, seed: int) -> str:
 
 
 def header(repeats: int) -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_name()
     return (
         f"Run {_dt.date.today().isoformat()} on {cpu}, {os.cpu_count()} cores (shared), "
         f"Python {platform.python_version()}, numpy {np.__version__}, torch {torch.__version__}; "

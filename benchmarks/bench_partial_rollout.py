@@ -63,6 +63,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from _machine import cpu_name
+
 from verl_partial.core.partial_config import PartialConfig  # noqa: E402
 from verl_partial.core.pool import GroupState, RolloutPool, SegmentRequest  # noqa: E402
 from verl_partial.core.scheduler import SegmentResult, run_step  # noqa: E402
@@ -429,14 +431,7 @@ def tables(report: Report) -> str:
 
 def header(report: Report, command: str) -> str:
     wl, q = report.workload, report.quantiles
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_name()
     params = sum(p.numel() for p in build_model(wl).parameters())
     return "\n".join(
         [

@@ -92,6 +92,19 @@ def _record_decode_batches(engine: CpuBatchedEngine) -> list[int]:
     return sizes
 
 
+def _record_prefill_batches(engine: CpuBatchedEngine) -> list[list[int]]:
+    """Wrap the engine's prefill forward to record the prompt lengths of every call."""
+    batches: list[list[int]] = []
+    prefill = engine._kv.prefill
+
+    def recording(prompts: list[list[int]], first_slot: int) -> torch.Tensor:
+        batches.append([len(p) for p in prompts])
+        return prefill(prompts, first_slot)
+
+    engine._kv.prefill = recording  # type: ignore[method-assign]
+    return batches
+
+
 async def _wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not predicate():
@@ -181,18 +194,11 @@ def test_prefill_budget_splits_a_burst_of_prompts(model: Qwen2ForCausalLM) -> No
 
     async def main() -> tuple[list[GenerationResult], list[int]]:
         engine = CpuBatchedEngine(model, eos_token_ids=set(), max_num_batched_tokens=20)
-        widths: list[int] = []
-        prefill = engine._kv.prefill
-
-        def recording(batch: list[list[int]], first_slot: int) -> torch.Tensor:
-            widths.append(len(batch))
-            return prefill(batch, first_slot)
-
-        engine._kv.prefill = recording  # type: ignore[method-assign]
+        batches = _record_prefill_batches(engine)
         params = SamplingParams(max_tokens=6)
         results = await asyncio.gather(*(engine.generate(f"r{i}", p, params) for i, p in enumerate(prompts)))
         await engine.close()
-        return results, widths
+        return results, [len(batch) for batch in batches]
 
     results, widths = _run(main)
     assert widths == [2, 1]  # 2 x 10 padded tokens fit the budget of 20, the third prompt waits one step
@@ -206,21 +212,14 @@ def test_prefill_groups_long_and_short_prompts_apart(model: Qwen2ForCausalLM) ->
 
     async def main() -> tuple[list[GenerationResult], list[list[int]]]:
         engine = CpuBatchedEngine(model, eos_token_ids=set())
-        batches: list[list[int]] = []
-        prefill = engine._kv.prefill
-
-        def recording(batch: list[list[int]], first_slot: int) -> torch.Tensor:
-            batches.append(sorted(len(p) for p in batch))
-            return prefill(batch, first_slot)
-
-        engine._kv.prefill = recording  # type: ignore[method-assign]
+        batches = _record_prefill_batches(engine)
         params = SamplingParams(max_tokens=4)
         results = await asyncio.gather(*(engine.generate(f"r{i}", p, params) for i, p in enumerate(prompts)))
         await engine.close()
         return results, batches
 
     results, batches = _run(main)
-    assert batches == [[400, 420], [10, 12]]
+    assert [sorted(batch) for batch in batches] == [[400, 420], [10, 12]]
     for prompt, result in zip(prompts, results, strict=True):
         _assert_matches_recompute(model, prompt, result)
 
