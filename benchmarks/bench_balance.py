@@ -39,13 +39,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from _machine import cpu_name
 from verl.utils.seqlen_balancing import (  # noqa: E402
     calculate_workload,
     get_group_balanced_partitions,
     get_seqlen_balanced_partitions,
 )
 
+from benchmarks._machine import cpu_name  # noqa: E402
 from verl_partial.core.balance import balance_groups, evaluate_permutation  # noqa: E402
 
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"

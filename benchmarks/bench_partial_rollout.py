@@ -63,8 +63,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from _machine import cpu_name
-
+from benchmarks._machine import cpu_name  # noqa: E402
 from verl_partial.core.partial_config import PartialConfig  # noqa: E402
 from verl_partial.core.pool import GroupState, RolloutPool, SegmentRequest  # noqa: E402
 from verl_partial.core.scheduler import SegmentResult, run_step  # noqa: E402
