@@ -219,6 +219,9 @@ def test_invariants_over_random_schedules(config, n, batch, steps, response_leng
     dropped = [key for event, key in run.pool.events if event == "dropped"]
     assert sorted(keys + in_flight + dropped) == sorted(drawn)
     assert run.pool.totals.dropped_groups == len(dropped)
+    totals = run.pool.totals
+    assert totals.admitted_groups == totals.trained_groups + totals.dropped_groups + len(in_flight) == len(drawn)
+    assert run.metrics[-1]["partial/total/trained_groups"] == len(keys)
     assert len(run.pool.groups) <= batch + config.extra_groups  # invariant 12: bounded parked state
     for metrics in run.metrics:
         assert metrics["partial/parked_bytes"] == 12 * metrics["partial/parked_tokens"]

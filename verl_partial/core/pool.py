@@ -42,7 +42,6 @@ class SampleState:
     in_flight: bool = False
     segments: int = 0
     failures: int = 0
-    restarts: int = 0
     tokens_this_step: int = 0
     steps_touched: list[int] = field(default_factory=list)
     # Which server answered the last segment, when the backend says (sticky routing check).
@@ -71,7 +70,6 @@ class GroupState(Generic[P]):
     key: str
     prompt: P
     samples: list[SampleState]
-    admitted_step: int
     prompt_ids: list[int] | None = None
 
     @property
@@ -151,7 +149,7 @@ class RolloutPool(Generic[P]):
         group_id = self.next_group_id
         self.next_group_id += 1
         samples = [SampleState() for _ in range(self.group_size)]
-        self.groups[group_id] = GroupState(group_id, key, prompt, samples, admitted_step=self.step)
+        self.groups[group_id] = GroupState(group_id, key, prompt, samples)
         self._count(admitted_groups=1)
         self.events.append(("admitted", key))
         return group_id
@@ -190,7 +188,6 @@ class RolloutPool(Generic[P]):
             return
         for sample in stale:
             thrown = sample.discard_tokens()
-            sample.restarts += 1
             self._count(tokens_discarded=thrown, restarted_samples=1)
 
     def _take_out(self, group: GroupState[P], reason: str) -> None:
@@ -357,6 +354,8 @@ class RolloutPool(Generic[P]):
             "partial/tokens_generated": float(self.counters.tokens_generated),
             "partial/tokens_trained": float(trained_tokens),
             "partial/tokens_discarded": float(self.counters.tokens_discarded),
+            "partial/total/admitted_groups": float(self.totals.admitted_groups),
+            "partial/total/trained_groups": float(self.totals.trained_groups),
             "partial/total/dropped_groups": float(self.totals.dropped_groups),
             "partial/total/failed_groups": float(self.totals.failed_groups),
         }
