@@ -226,9 +226,9 @@ class PartialAgentLoopManager(AgentLoopManager):
         output = DataProto.concat(rows)
         for key in (SEGMENT_KEY, PARTIAL_KEY, "agent_name", *RESULT_FIELDS):
             output.non_tensor_batch.pop(key, None)
-        # Shared keys must match row for row in fit()'s union: take the trainer's own values (e.g. uid).
+        # Keys both sides hold must match row for row in fit()'s union: take the trainer's own values.
         for key, value in prompts.non_tensor_batch.items():
-            if key in output.non_tensor_batch or key in ("uid",):
+            if key in output.non_tensor_batch:
                 output.non_tensor_batch[key] = value
         output.batch[VERSION_KEY] = torch.stack(versions)
         timing = self._performance_metrics(row_metrics, output)
