@@ -12,13 +12,16 @@ relative imports) and must not use ``from __future__ import annotations``: with 
 looks the module up in ``sys.modules`` and fails there.
 """
 
+import json
 import random
 from dataclasses import dataclass
 from typing import Any
 
 DATA_SOURCE = "verl_partial/countdown"
+TOOL_DATA_SOURCE = "verl_partial/countdown_tool"
 ABILITY = "counting"
 REWARD_FUNCTION_NAME = "compute_score"
+TOOL_REWARD_FUNCTION_NAME = "compute_tool_score"
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,25 @@ def prompt_text(count: int) -> str:
     return f"Count down from {count} to 1."
 
 
+def split_count(count: int, rng: random.Random) -> tuple[int, int]:
+    """Write ``count`` as ``a + b`` with ``a, b >= 1`` (``count >= 2``), for the tool-use prompt."""
+    if count < 2:
+        raise ValueError(f"the tool-use task needs count >= 2, got {count}")
+    first = rng.randint(1, count - 1)
+    return first, count - first
+
+
+def tool_prompt_text(first: int, second: int) -> str:
+    """The tool-use variant: the start is a sum the model is meant to hand to the calculator tool."""
+    return f"Count down from {first}+{second} to 1."
+
+
+def tool_call_text(first: int, second: int) -> str:
+    """The assistant turn that calls the calculator, in the Hermes format verl's ``hermes`` tool parser reads."""
+    call = {"name": "calculator", "arguments": {"expression": f"{first}+{second}"}}
+    return "<tool_call>" + json.dumps(call) + "</tool_call>"
+
+
 def answer_text(count: int) -> str:
     """The exact expected response: ``count`` numbers separated by single spaces."""
     return " ".join(str(i) for i in range(count, 0, -1))
@@ -79,3 +101,19 @@ def compute_score(
             break
         correct_prefix += 1
     return correct_prefix / max(len(expected), len(produced), 1)
+
+
+def compute_tool_score(
+    data_source: str,
+    solution_str: str,
+    ground_truth: str,
+    extra_info: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> float:
+    """:func:`compute_score` of the final answer of a tool-use trajectory: the text after the last newline.
+
+    verl scores the whole decoded response, tool call and tool output included (special tokens skipped). In the demo
+    chat template every tool call and tool turn ends with a newline and a countdown never holds one, so the last line
+    is the model's final answer whether or not it called the tool.
+    """
+    return compute_score(data_source, solution_str.rsplit("\n", 1)[-1], ground_truth, extra_info)
