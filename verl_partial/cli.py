@@ -42,13 +42,14 @@ def demo_command(
     output_dir: Path,
     partial: str | None = "default",
     extra: Sequence[str] = (),
+    backend: str = "cpu",
 ) -> list[str]:
     """The full ``python -m verl.trainer.main_ppo`` command of the demo (and of the e2e tests).
 
     An override in ``extra`` replaces the demo's own value for the same key (Hydra rejects a key
-    given twice).
+    given twice). ``backend`` picks the rollout engine: ``cpu`` (ours) or ``cpu_vllm`` (verl's vLLM rollout).
     """
-    command = [sys.executable, "-m", "verl.trainer.main_ppo", "+backend=cpu"]
+    command = [sys.executable, "-m", "verl.trainer.main_ppo", f"+backend={backend}"]
     if partial is not None:
         command.append(f"+partial={partial}")
     defaults = [

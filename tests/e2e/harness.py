@@ -48,6 +48,7 @@ def run_trainer(
     partial: str | None = None,
     extra: list[str] | tuple[str, ...] = (),
     env: dict[str, str] | None = None,
+    backend: str = "cpu",
 ) -> Run:
     output_dir.mkdir(parents=True, exist_ok=True)
     metrics_file = output_dir / f"metrics_{len(list(output_dir.glob('metrics_*.jsonl')))}.jsonl"
@@ -57,6 +58,7 @@ def run_trainer(
         output_dir=output_dir,
         partial=partial,
         extra=["trainer.logger=[console,file]", *extra],
+        backend=backend,
     )
     # Ray workers of a local cluster inherit the driver's environment: verl's file logger (in the
     # TaskRunner) and the CPU server's fault injection read theirs from here.

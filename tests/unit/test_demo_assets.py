@@ -192,7 +192,8 @@ def test_model_loads_and_generates_eos_terminated_responses(
     config = model.config
     assert config.model_type == "qwen2"
     assert (config.hidden_size, config.num_hidden_layers, config.intermediate_size) == (64, 2, 128)
-    assert (config.num_attention_heads, config.num_key_value_heads) == (4, 2)
+    assert (config.num_attention_heads, config.num_key_value_heads) == (2, 1)
+    assert config.hidden_size // config.num_attention_heads >= 32  # vLLM's CPU attention minimum head size
     assert config.max_position_embeddings >= 1024
     assert config.vocab_size == len(tokenizer)
     assert config._attn_implementation == "eager"

@@ -122,7 +122,7 @@ def test_correction_without_rollout_log_probs_fails_naming_the_key():
 
 
 def test_backend_name_is_validated():
-    with pytest.raises(ValueError, match=r"backend.name must be one of \['cpu'\]"):
+    with pytest.raises(ValueError, match=r"backend.name must be one of \[.cpu., .cpu_vllm.\]"):
         validate_root_config(compose("backend/cpu", backend__name="tpu"))
 
 

