@@ -26,15 +26,28 @@ class PartialConfig:
             Between chunks the scheduler re-checks whether the step is done, so a backend that
             cannot abort still stops within one chunk. ``null``: one call per sample per step.
         abort_on_done: abort in-flight requests through the backend (vLLM/SGLang/CPU all support it)
-            as soon as the step has its groups; their partial tokens are parked.
+            as soon as the step has its groups; their partial tokens are parked. ``false``: let them end
+            on their own (within one chunk).
         max_staleness: the most policy versions a trained token may lag the policy being trained.
         staleness_policy: what happens to a sample whose oldest token would exceed ``max_staleness``:
             ``restart`` regenerates it from the prompt (tokens are thrown away and counted), ``drop``
             removes its whole group (counted, its prompt replaced by a fresh one), ``keep`` trains it
             anyway and leaves the off-policy gap to rollout correction.
-        max_retries: retries of a generate call that raised or timed out before its group is taken
-            out (counted as ``partial/failed_groups``; its prompt is replaced).
-        request_timeout_s: seconds one generate call may take before it counts as failed.
+        max_retries: retries of one sample's failed calls before its group is taken out (counted as
+            ``partial/failed_groups``; its prompt is replaced). Counted in a row: any call that brings tokens
+            or a finish resets the count. A call fails when it raises, is refused by a closed gate outside the
+            step end, or is given up as stalled with no tokens to show; never for its length.
+        request_timeout_s: seconds a server may go without returning any result while it has calls of ours
+            outstanding; then those calls are judged stalled and cancelled at the server. Time spent queued
+            behind other calls of a server that keeps answering does not count. A stalled call that brings its
+            tokens back (it was slow, not stuck) keeps them and is not a failure.
+        abort_grace_s: at the step end, how long to wait for calls to answer the abort before cancelling
+            those still parked at a gate or in transit (not a failure), and how long a cancelled call may take
+            to answer before it is abandoned. A step end takes about one ``abort_grace_s`` when calls are
+            parked or in transit, and at most ``5 * abort_grace_s`` even when a server hangs (abort, grace,
+            cancel, its answer and resume are each bounded by it).
+        max_calls_per_server: most outstanding generate calls per server; keep it below the server actor's
+            Ray ``max_concurrency`` (1000 in verl) so abort/resume/sleep always find a free slot.
         ledger_path: optional JSON-lines audit log of every prompt admitted, trained, dropped or
             failed, one line per event; makes "nothing lost, nothing trained twice" checkable.
         dump_dir: optional folder receiving, per step, every trained sample's prompt and response
@@ -51,6 +64,8 @@ class PartialConfig:
     staleness_policy: str = "restart"
     max_retries: int = 2
     request_timeout_s: float = 600.0
+    abort_grace_s: float = 5.0
+    max_calls_per_server: int = 512
     ledger_path: str | None = None
     dump_dir: str | None = None
 
@@ -67,6 +82,10 @@ class PartialConfig:
         )
         _require(self.max_retries >= 0, "partial.max_retries", "an integer >= 0", self.max_retries)
         _require(self.request_timeout_s > 0, "partial.request_timeout_s", "a number > 0", self.request_timeout_s)
+        _require(self.abort_grace_s > 0, "partial.abort_grace_s", "a number > 0", self.abort_grace_s)
+        _require(
+            self.max_calls_per_server >= 1, "partial.max_calls_per_server", "an integer >= 1", self.max_calls_per_server
+        )
 
     def max_new_tokens(self, generated: int, generated_this_step: int, response_length: int) -> int:
         """Tokens the next generate call of a sample may produce; 0 means it must wait for the next step."""

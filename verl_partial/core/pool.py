@@ -23,42 +23,67 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+import numpy as np
+
+from verl_partial.core.finish import Finish, finished
 from verl_partial.core.partial_config import PartialConfig
 
 P = TypeVar("P")
 
-# Bytes one parked token costs when serialised: int32 id, float32 log-prob, int32 version.
-BYTES_PER_PARKED_TOKEN = 12
+TOKEN_DTYPE = np.int32
+LOG_PROB_DTYPE = np.float32
+VERSION_DTYPE = np.int32
+
+
+def _empty(dtype: type[np.generic]) -> np.ndarray:
+    return np.zeros(0, dtype=dtype)
 
 
 @dataclass
 class SampleState:
-    """One sample of a group: everything needed to resume it bit-exactly."""
+    """One sample of a group: everything needed to resume it bit-exactly, in compact arrays.
 
-    token_ids: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
+    ``token_ids`` (int32), ``log_probs`` (float32, what engines compute in) and ``versions`` (int32, the policy
+    version that generated each token) have one entry per response token; ``partial/parked_bytes`` is their
+    real ``nbytes``.
+    """
+
+    token_ids: np.ndarray = field(default_factory=lambda: _empty(TOKEN_DTYPE))
+    log_probs: np.ndarray = field(default_factory=lambda: _empty(LOG_PROB_DTYPE))
+    versions: np.ndarray = field(default_factory=lambda: _empty(VERSION_DTYPE))
     finished: bool = False
+    # Why the last segment stopped (EOS/STOP/LENGTH tell the hand-over how the answer ended).
+    finish: Finish | None = None
     in_flight: bool = False
     segments: int = 0
+    # Calls started for this sample over its life; makes every call's request id unique (a given-up call
+    # may still be known to its server when the sample is relaunched).
+    calls: int = 0
+    # CONSECUTIVE failed calls; any call that brings tokens or a finish resets it.
     failures: int = 0
     tokens_this_step: int = 0
     steps_touched: list[int] = field(default_factory=list)
-    # Which server answered the last segment, when the backend says (sticky routing check).
-    last_route: str | None = None
-    # The trainer's finished row for this sample (opaque here; verl's padded output row in the glue).
-    output: Any = None
+    # The server of this sample's previous chunk in the current step (within-step stickiness, route changes).
+    last_server: str | None = None
 
     @property
     def oldest_version(self) -> int | None:
-        return min(self.versions) if self.versions else None
+        return int(self.versions.min()) if len(self.versions) else None
+
+    @property
+    def nbytes(self) -> int:
+        return self.token_ids.nbytes + self.log_probs.nbytes + self.versions.nbytes
 
     def discard_tokens(self) -> int:
         thrown = len(self.token_ids)
-        self.token_ids, self.log_probs, self.versions = [], [], []
+        self.token_ids, self.log_probs, self.versions = (
+            _empty(TOKEN_DTYPE),
+            _empty(LOG_PROB_DTYPE),
+            _empty(VERSION_DTYPE),
+        )
         self.finished = False
+        self.finish = None
         self.steps_touched = []
-        self.output = None
         return thrown
 
 
@@ -70,7 +95,9 @@ class GroupState(Generic[P]):
     key: str
     prompt: P
     samples: list[SampleState]
-    prompt_ids: list[int] | None = None
+    prompt_ids: np.ndarray | None = None
+    # The step in which the group was admitted (``partial/group_wait_steps``).
+    admitted_step: int = 0
 
     @property
     def finished(self) -> bool:
@@ -85,12 +112,35 @@ class SampleRef:
 
 @dataclass(frozen=True)
 class SegmentRequest:
-    """What the glue sends to the engine for one sample: prompt + tokens so far, at most ``max_new_tokens``."""
+    """One generate call the scheduler asks for.
+
+    The prefix (``pool.groups[ref.group_id].samples[ref.index].token_ids``, ``prefix_len`` tokens) is read by the
+    backend from the pool, never copied here. ``server`` is the address the router chose; ``request_id`` is unique
+    per call.
+    """
 
     ref: SampleRef
     request_id: str
-    prefix_ids: list[int]
+    prefix_len: int
     max_new_tokens: int
+    server: str
+
+
+@dataclass(frozen=True)
+class SegmentResult:
+    """What one generate call produced: new tokens only, never the prefix it was given, never a verl row.
+
+    ``server`` is the server that answered; ``server_version`` its own ``global_steps`` (the policy version of
+    its weights), checked against the version the pool expects; ``prompt_ids`` the tokenised prompt, which the
+    first segment of a group reports (later ones may repeat it; it must not change).
+    """
+
+    new_ids: np.ndarray
+    new_log_probs: np.ndarray
+    finish: Finish
+    server: str
+    server_version: int | None = None
+    prompt_ids: np.ndarray | None = None
 
 
 @dataclass
@@ -105,6 +155,10 @@ class Counters:
     dropped_groups: int = 0
     failed_groups: int = 0
     failed_calls: int = 0
+    stalled_calls: int = 0
+    cancelled_calls: int = 0
+    abandoned_calls: int = 0
+    control_timeouts: int = 0
     budget_rounds: int = 0
     route_changes: int = 0
 
@@ -125,12 +179,17 @@ class RolloutPool(Generic[P]):
         self.groups: dict[int, GroupState[P]] = {}
         self.next_group_id = 0
         self.version = 0
+        self.server_version: int | None = None
         self.step = 0
         self.counters = Counters()
         self.totals = Counters()
         self.events: list[tuple[str, str]] = []
+        # Per step: response lengths of samples that finished this step, and tokens each server returned.
+        self.finished_lengths: list[int] = []
+        self.server_tokens: Counter[str] = Counter()
 
-    def _count(self, **deltas: int) -> None:
+    def count(self, **deltas: int) -> None:
+        """Add to this step's counters and the run totals."""
         for counts in (self.counters, self.totals):
             for name, delta in deltas.items():
                 setattr(counts, name, getattr(counts, name) + delta)
@@ -149,28 +208,33 @@ class RolloutPool(Generic[P]):
         group_id = self.next_group_id
         self.next_group_id += 1
         samples = [SampleState() for _ in range(self.group_size)]
-        self.groups[group_id] = GroupState(group_id, key, prompt, samples)
-        self._count(admitted_groups=1)
+        self.groups[group_id] = GroupState(group_id, key, prompt, samples, admitted_step=self.step)
+        self.count(admitted_groups=1)
         self.events.append(("admitted", key))
         return group_id
 
     # ---------------------------------------------------------------- step lifecycle
-    def begin_step(self, step: int, version: int) -> None:
+    def begin_step(self, step: int, version: int, server_version: int | None = None) -> None:
         """Start generation for training step ``step`` with policy weights of version ``version``.
 
-        Staleness is enforced here, before any new token exists: a token generated at version v and
-        trained at this step lags ``version - v``; anything beyond ``max_staleness`` is restarted or
-        its group dropped, per policy.
+        ``server_version``, when given, is the ``global_steps`` every server must report with its results
+        (anything else means the weights were not synced). Staleness is enforced here, before any new token
+        exists: a token generated at version v and trained at this step lags ``version - v``; anything beyond
+        ``max_staleness`` is restarted or its group dropped, per policy.
         """
         if version < self.version:
             raise ValueError(f"policy version went backwards: {self.version} -> {version}")
-        self.step, self.version = step, version
+        self.step, self.version, self.server_version = step, version, server_version
         self.counters = Counters()
+        self.finished_lengths = []
+        self.server_tokens = Counter()
         for group in list(self.groups.values()):
             for sample in group.samples:
                 if sample.in_flight:
                     raise RuntimeError(f"group {group.key} still has a request in flight at step start")
                 sample.tokens_this_step = 0
+                # The prefix cache does not survive a step end: no stickiness across steps.
+                sample.last_server = None
             self._enforce_staleness(group)
 
     def _enforce_staleness(self, group: GroupState[P]) -> None:
@@ -188,11 +252,11 @@ class RolloutPool(Generic[P]):
             return
         for sample in stale:
             thrown = sample.discard_tokens()
-            self._count(tokens_discarded=thrown, restarted_samples=1)
+            self.count(tokens_discarded=thrown, restarted_samples=1)
 
     def _take_out(self, group: GroupState[P], reason: str) -> None:
         thrown = sum(len(sample.token_ids) for sample in group.samples)
-        self._count(tokens_discarded=thrown, **{f"{reason}_groups": 1})
+        self.count(tokens_discarded=thrown, **{f"{reason}_groups": 1})
         del self.groups[group.group_id]
         self.events.append((reason, group.key))
 
@@ -208,7 +272,12 @@ class RolloutPool(Generic[P]):
     def _budget(self, sample: SampleState) -> int:
         return self.config.max_new_tokens(len(sample.token_ids), sample.tokens_this_step, self.response_length)
 
-    def start(self, ref: SampleRef) -> SegmentRequest:
+    def sample(self, ref: SampleRef) -> SampleState:
+        return self.groups[ref.group_id].samples[ref.index]
+
+    def start(self, ref: SampleRef, server: str) -> SegmentRequest:
+        """Mark a sample in flight on ``server`` and describe its call; counts a route change when the
+        sample's previous chunk this step ran elsewhere (the client's own choice, not a server field)."""
         group = self.groups[ref.group_id]
         sample = group.samples[ref.index]
         if sample.finished or sample.in_flight:
@@ -217,65 +286,80 @@ class RolloutPool(Generic[P]):
         if budget <= 0:
             raise RuntimeError(f"sample {group.key}/{ref.index} has no token budget left this step")
         sample.in_flight = True
-        # A stable request id per sample: verl's router is sticky on it, so every segment of a sample
-        # lands on the server whose prefix cache holds its tokens.
-        return SegmentRequest(ref, f"{group.key}/{ref.index}", list(sample.token_ids), budget)
+        if sample.last_server is not None and sample.last_server != server:
+            self.count(route_changes=1)
+        sample.last_server = server
+        request_id = f"{group.key}/{ref.index}/{sample.calls}"
+        sample.calls += 1
+        return SegmentRequest(ref, request_id, len(sample.token_ids), budget, server)
 
-    def finish_segment(
-        self,
-        ref: SampleRef,
-        new_ids: list[int],
-        new_log_probs: list[float],
-        *,
-        eos: bool,
-        prompt_ids: list[int] | None = None,
-        output: Any = None,
-        route: str | None = None,
-    ) -> None:
-        """Record a segment's output; every new token is tagged with the current policy version."""
+    def check_server_version(self, result: SegmentResult) -> None:
+        """A server answering with other weights than this step's means the weight sync failed: stop."""
+        if self.server_version is not None and result.server_version != self.server_version:
+            raise RuntimeError(
+                f"server {result.server} generated with global_steps={result.server_version} but step {self.step} "
+                f"expects global_steps={self.server_version}: its weights were not synced"
+            )
+
+    def finish_segment(self, ref: SampleRef, result: SegmentResult) -> None:
+        """Record a segment's output; every new token is tagged with the current policy version.
+
+        Any result with tokens or a non-abort finish is progress and resets the sample's consecutive failures.
+        """
+        self.check_server_version(result)
         group = self.groups.get(ref.group_id)
         if group is None:  # taken out while the call was running (its late result is ignored)
             return
         sample = group.samples[ref.index]
         if not sample.in_flight:
             raise RuntimeError(f"sample {group.key}/{ref.index} has no segment in flight")
-        if len(new_ids) != len(new_log_probs):
-            raise ValueError(f"segment returned {len(new_ids)} tokens but {len(new_log_probs)} log-probs")
+        new_ids = np.asarray(result.new_ids, dtype=TOKEN_DTYPE)
+        new_log_probs = np.asarray(result.new_log_probs, dtype=LOG_PROB_DTYPE)
+        if new_ids.ndim != 1 or new_ids.shape != new_log_probs.shape:
+            raise ValueError(f"segment returned {new_ids.shape} token ids but {new_log_probs.shape} log-probs")
         if len(new_ids) > self._budget(sample):
             raise ValueError(
                 f"segment of {group.key}/{ref.index} returned {len(new_ids)} tokens, over its budget "
                 f"of {self._budget(sample)}"
             )
-        if prompt_ids is not None:
+        if result.prompt_ids is not None:
+            prompt_ids = np.asarray(result.prompt_ids, dtype=TOKEN_DTYPE)
             if group.prompt_ids is None:
-                group.prompt_ids = list(prompt_ids)
-            elif group.prompt_ids != list(prompt_ids):
+                group.prompt_ids = prompt_ids
+            elif not np.array_equal(group.prompt_ids, prompt_ids):
                 raise ValueError(f"prompt tokens of group {group.key} changed between segments")
         sample.in_flight = False
-        if route is not None:
-            if sample.last_route is not None and route != sample.last_route and sample.token_ids:
-                self._count(route_changes=1)
-            sample.last_route = route
+        sample.failures = 0
         sample.segments += 1
-        sample.token_ids.extend(new_ids)
-        sample.log_probs.extend(new_log_probs)
-        sample.versions.extend([self.version] * len(new_ids))
+        sample.token_ids = np.concatenate([sample.token_ids, new_ids])
+        sample.log_probs = np.concatenate([sample.log_probs, new_log_probs])
+        sample.versions = np.concatenate([sample.versions, np.full(len(new_ids), self.version, VERSION_DTYPE)])
         sample.tokens_this_step += len(new_ids)
         if self.step not in sample.steps_touched:
             sample.steps_touched.append(self.step)
-        sample.finished = eos or len(sample.token_ids) >= self.response_length
-        sample.output = output if sample.finished else None
-        self._count(tokens_generated=len(new_ids))
+        sample.finish = result.finish
+        sample.finished = finished(result.finish, len(sample.token_ids), self.response_length)
+        if sample.finished:
+            self.finished_lengths.append(len(sample.token_ids))
+        self.server_tokens[result.server] += len(new_ids)
+        self.count(tokens_generated=len(new_ids))
+
+    def release(self, ref: SampleRef) -> None:
+        """A call given up without tokens through no fault of the sample (step end): runnable again, no failure."""
+        group = self.groups.get(ref.group_id)
+        if group is not None:
+            group.samples[ref.index].in_flight = False
 
     def fail_segment(self, ref: SampleRef) -> bool:
-        """Record a call that raised or timed out; returns True when the group was taken out."""
+        """Record a call that raised, was refused or stalled without tokens; returns True when the group was
+        taken out (``max_retries`` retries of one sample failed in a row)."""
         group = self.groups.get(ref.group_id)
         if group is None:
             return True
         sample = group.samples[ref.index]
         sample.in_flight = False
         sample.failures += 1
-        self._count(failed_calls=1)
+        self.count(failed_calls=1)
         if sample.failures > self.config.max_retries:
             self._take_out(group, "failed")
             return True
@@ -309,7 +393,7 @@ class RolloutPool(Generic[P]):
         for group in self.groups.values():
             for sample in group.samples:
                 sample.tokens_this_step = 0
-        self._count(budget_rounds=1)
+        self.count(budget_rounds=1)
 
     def take_ready(self) -> list[GroupState[P]]:
         """Hand ``batch_groups`` finished groups to training, oldest first, and forget them."""
@@ -322,24 +406,33 @@ class RolloutPool(Generic[P]):
         for group in taken:
             del self.groups[group.group_id]
             self.events.append(("trained", group.key))
-        self._count(trained_groups=len(taken))
+        self.count(trained_groups=len(taken))
         return taken
 
     # ---------------------------------------------------------------- metrics
+    def parked_bytes(self) -> int:
+        """Real bytes of the token state the pool holds (sample arrays and tokenised prompts)."""
+        samples = sum(sample.nbytes for group in self.groups.values() for sample in group.samples)
+        prompts = sum(group.prompt_ids.nbytes for group in self.groups.values() if group.prompt_ids is not None)
+        return samples + prompts
+
     def step_metrics(self, trained: list[GroupState[P]]) -> dict[str, float]:
         """``partial/*`` metrics for the step that just trained ``trained`` (see docs/partial-rollout.md)."""
         samples = [sample for group in trained for sample in group.samples]
-        lags = Counter(self.version - version for sample in samples for version in sample.versions)
+        lags: Counter[int] = Counter()
+        for sample in samples:
+            values, counts = np.unique(self.version - sample.versions.astype(np.int64), return_counts=True)
+            lags.update(dict(zip(values.tolist(), counts.tolist(), strict=True)))
         trained_tokens = sum(lags.values())
         # Parked = resumable work: unfinished samples holding tokens (not yet-unstarted ones).
-        parked = [s for group in self.groups.values() for s in group.samples if not s.finished and s.token_ids]
+        parked = [s for group in self.groups.values() for s in group.samples if not s.finished and len(s.token_ids)]
         parked_tokens = sum(len(sample.token_ids) for group in self.groups.values() for sample in group.samples)
         segments = [sample.segments for sample in samples] or [0]
         metrics: dict[str, float] = {
             "partial/in_flight_groups": float(len(self.groups)),
             "partial/parked_samples": float(len(parked)),
             "partial/parked_tokens": float(parked_tokens),
-            "partial/parked_bytes": float(parked_tokens * BYTES_PER_PARKED_TOKEN),
+            "partial/parked_bytes": float(self.parked_bytes()),
             "partial/resumed_fraction": sum(len(s.steps_touched) > 1 for s in samples) / max(1, len(samples)),
             "partial/segments_per_sample/mean": sum(segments) / len(segments),
             "partial/segments_per_sample/max": float(max(segments)),
@@ -349,6 +442,10 @@ class RolloutPool(Generic[P]):
             "partial/dropped_groups": float(self.counters.dropped_groups),
             "partial/failed_groups": float(self.counters.failed_groups),
             "partial/failed_calls": float(self.counters.failed_calls),
+            "partial/stalled_calls": float(self.counters.stalled_calls),
+            "partial/cancelled_calls": float(self.counters.cancelled_calls),
+            "partial/abandoned_calls": float(self.counters.abandoned_calls),
+            "partial/control_timeouts": float(self.counters.control_timeouts),
             "partial/budget_rounds": float(self.counters.budget_rounds),
             "partial/route_changes": float(self.counters.route_changes),
             "partial/tokens_generated": float(self.counters.tokens_generated),
@@ -361,6 +458,13 @@ class RolloutPool(Generic[P]):
         }
         for lag, count in sorted(lags.items()):
             metrics[f"partial/staleness/lag_{lag}_fraction"] = count / trained_tokens
+        metrics.update(
+            length_bias_metrics(
+                [len(sample.token_ids) for sample in samples],
+                self.finished_lengths,
+                [self.step - group.admitted_step for group in trained],
+            )
+        )
         return metrics
 
     # ---------------------------------------------------------------- checkpoint
@@ -403,6 +507,28 @@ class RolloutPool(Generic[P]):
         self.version = state["version"]
         self.step = state["step"]
         self.totals = Counters(**state["totals"])
+
+
+def length_bias_metrics(
+    trained_lengths: list[int], finished_lengths: list[int], wait_steps: list[int]
+) -> dict[str, float]:
+    """Does partial rollout bias training towards short answers? Compare the response lengths trained this step
+    with those of every sample that finished this step (trained now or waiting in an unfinished group), and
+    report how many steps each trained group waited since admission. A ``trained_mean`` persistently below
+    ``finished_mean`` means long answers are being held back; ``group_wait_steps`` shows for how long."""
+    metrics: dict[str, float] = {}
+    for name, lengths in (("trained", trained_lengths), ("finished", finished_lengths)):
+        if not lengths:
+            continue
+        values = np.asarray(lengths, dtype=np.float64)
+        metrics[f"partial/length/{name}_mean"] = float(values.mean())
+        metrics[f"partial/length/{name}_p50"] = float(np.percentile(values, 50))
+        metrics[f"partial/length/{name}_p90"] = float(np.percentile(values, 90))
+        metrics[f"partial/length/{name}_max"] = float(values.max())
+    if wait_steps:
+        metrics["partial/group_wait_steps/mean"] = sum(wait_steps) / len(wait_steps)
+        metrics["partial/group_wait_steps/max"] = float(max(wait_steps))
+    return metrics
 
 
 def _shallow_fields(obj: Any) -> dict[str, Any]:

@@ -1,41 +1,72 @@
 """One partial-rollout step: keep the pool full, run segments, stop once enough whole groups are done.
 
 The loop is pure asyncio over two small protocols, so the very code the trainer runs is what the
-property tests drive with a simulated engine (random lengths, latencies, failures, hangs).
+property tests drive with a simulated engine (random lengths, latencies, failures, hung servers,
+closed gates).
+
+Rules that keep a step from stalling and training from being biased (docs/partial-rollout.md, "Abort,
+timeouts and retries"):
+
+* **Step end.** Stop launching -> ``backend.abort_all()`` (closes every server's gate; running calls return
+  ABORTED with their tokens) -> await outstanding calls for ``partial.abort_grace_s`` -> whatever is still
+  pending sits at a gate or in transit: ``backend.cancel()`` it (not a failure) -> await at most
+  ``abort_grace_s`` more, then abandon what still has not answered -> ``backend.resume()``. A step end never
+  waits on ``request_timeout_s``.
+* **Stalls are judged by progress.** A server with calls outstanding that returns no result for
+  ``partial.request_timeout_s`` is stalled; its outstanding calls are cancelled at the server. A cancelled call
+  that brings tokens back was slow, not stuck: its tokens are kept and it counts as progress, so a long answer is
+  never failed for its length. Only a call that raised, was refused, or brought nothing back counts as a failure.
+* **Retries.** Any result with tokens or a finish resets the sample's failure count; a group is taken out only
+  after ``max_retries`` retries of one sample failed in a row. Its other calls are cancelled at their servers.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Protocol, TypeVar
+from enum import Enum
+from typing import Generic, Protocol, TypeVar
 
-from verl_partial.core.pool import GroupState, RolloutPool, SampleRef, SegmentRequest
+from verl_partial.core.finish import Finish
+from verl_partial.core.pool import GroupState, RolloutPool, SampleRef, SegmentRequest, SegmentResult
+from verl_partial.core.routing import Router
+
+__all__ = [
+    "OutOfPrompts",
+    "PromptSource",
+    "SegmentBackend",
+    "SegmentRequest",
+    "SegmentResult",
+    "StepResult",
+    "run_step",
+]
 
 P = TypeVar("P")
 
 
-@dataclass(frozen=True)
-class SegmentResult:
-    """What one generate call produced: new tokens only, never the prefix it was given."""
-
-    new_ids: list[int]
-    new_log_probs: list[float]
-    eos: bool
-    prompt_ids: list[int] | None = None
-    output: Any = None
-    route: str | None = None
-
-
 class SegmentBackend(Protocol[P]):
-    async def generate(self, group: GroupState[P], request: SegmentRequest) -> SegmentResult: ...
+    """The engine side of a step (implemented by the glue, the GPU simulator and the property-test engine)."""
+
+    @property
+    def servers(self) -> Sequence[str]:
+        """Addresses of the servers the router may choose from (``SegmentRequest.server``)."""
+
+    def launch(self, wave: list[tuple[GroupState[P], SegmentRequest]]) -> list[asyncio.Future[SegmentResult]]:
+        """Start every call of one wave (everything the scheduler starts at one moment); one future per call,
+        in order, resolving with its :class:`SegmentResult` or failing. The glue turns a wave into one Ray call per
+        AgentLoopWorker that streams results back as segments finish."""
+
+    async def cancel(self, requests: list[SegmentRequest]) -> None:
+        """Give up these calls: abort each AT ITS SERVER (nothing keeps generating); its future then resolves
+        (ABORTED, possibly with tokens) or fails."""
 
     async def abort_all(self) -> None:
-        """Make every in-flight ``generate`` return promptly with the tokens it has."""
+        """Step end: close every server's gate (rejecting late arrivals where the engine can, vLLM's
+        ``abort_all_requests(reject_request=True)``); running calls return ABORTED with all their tokens so far."""
 
     async def resume(self) -> None:
-        """Accept requests again after ``abort_all``."""
+        """Reopen the gates."""
 
 
 class PromptSource(Protocol[P]):
@@ -54,6 +85,209 @@ class StepResult(Generic[P]):
     seconds: float = 0.0
 
 
+class _Why(Enum):
+    """Why the scheduler gave up a call; decides what its answer means."""
+
+    STALLED = "stalled"  # its server made no progress: no tokens back is a failure
+    STEP_END = "step_end"  # parked at a gate or in transit at the step end: never a failure
+    ORPHAN = "orphan"  # its group was taken out: the answer is ignored
+
+
+@dataclass
+class _Call:
+    group: GroupState
+    request: SegmentRequest
+    future: asyncio.Future[SegmentResult]
+    tokens: int  # routing work: prefix + new tokens
+    given_up: _Why | None = None
+    given_up_at: float = 0.0
+
+
+class _Step(Generic[P]):
+    """The state of one ``run_step``; methods are the rules listed in the module docstring."""
+
+    def __init__(self, pool: RolloutPool[P], backend: SegmentBackend[P], source: PromptSource[P]) -> None:
+        self.pool, self.backend, self.source = pool, backend, source
+        self.config = pool.config
+        self.loop = asyncio.get_running_loop()
+        self.router = Router(backend.servers, self.config.max_calls_per_server)
+        self.calls: dict[asyncio.Future[SegmentResult], _Call] = {}
+        # Per server: when it last answered, or went from idle to busy (a stall clock runs only while busy).
+        self.progress: dict[str, float] = dict.fromkeys(self.router.servers, self.loop.time())
+        self.cancels: set[asyncio.Task[None]] = set()
+        self.source_empty = False
+        # Set once abort_all went out: from then on an empty ABORTED answer is the abort's, not a failure.
+        self.aborted = False
+
+    # ------------------------------------------------------------ launching
+    def fill(self) -> None:
+        while not self.source_empty and self.pool.free_slots() > 0:
+            item = self.source.next_prompt()
+            if item is None:
+                self.source_empty = True
+            else:
+                self.pool.admit(*item)
+
+    def launch(self) -> None:
+        wave: list[tuple[GroupState[P], SegmentRequest, int]] = []
+        for ref in self.pool.runnable():
+            sample = self.pool.sample(ref)
+            tokens = len(sample.token_ids) + self.pool.config.max_new_tokens(
+                len(sample.token_ids), sample.tokens_this_step, self.pool.response_length
+            )
+            server = self.router.pick(tokens, sample.last_server)
+            if server is None:
+                break  # every server is at max_calls_per_server; the rest wait for a free slot
+            if self.router.load[server].calls == 0:
+                self.progress[server] = self.loop.time()
+            self.router.add(server, tokens)
+            wave.append((self.pool.groups[ref.group_id], self.pool.start(ref, server), tokens))
+        if not wave:
+            return
+        futures = self.backend.launch([(group, request) for group, request, _ in wave])
+        if len(futures) != len(wave):
+            raise RuntimeError(f"backend.launch returned {len(futures)} futures for a wave of {len(wave)} calls")
+        for (group, request, tokens), future in zip(wave, futures, strict=True):
+            self.calls[future] = _Call(group, request, future, tokens)
+
+    # ------------------------------------------------------------ answers
+    def record(self, future: asyncio.Future[SegmentResult]) -> None:
+        call = self.calls.pop(future)
+        server, ref = call.request.server, call.request.ref
+        self.router.remove(server, call.tokens)
+        if call.given_up is _Why.ORPHAN:
+            _consume(future)
+            return
+        ending = self.aborted or call.given_up is _Why.STEP_END
+        error = None if future.cancelled() else future.exception()
+        if future.cancelled() or error is not None:
+            if ending:
+                self.pool.release(ref)
+            else:
+                self.fail(ref)
+            return
+        result = future.result()
+        self.pool.check_server_version(result)
+        self.progress[server] = self.loop.time()
+        if result.finish is not Finish.ABORTED or len(result.new_ids):
+            # Tokens or a finish: progress, even from a call given up as stalled (slow is not stuck).
+            self.router.answered(server)
+            self.pool.finish_segment(ref, result)
+        elif ending:
+            self.pool.release(ref)
+        else:
+            # Refused by a closed gate, or cancelled after a stall with nothing to show: a failure.
+            self.router.avoid(server)
+            self.fail(ref)
+
+    def fail(self, ref: SampleRef) -> None:
+        if self.pool.fail_segment(ref):
+            # The group is out: nothing of it may keep generating.
+            self.give_up([c for c in self.calls.values() if c.request.ref.group_id == ref.group_id], _Why.ORPHAN)
+
+    def give_up(self, calls: list[_Call], why: _Why) -> None:
+        """Cancel calls at their servers (in the background: a hung server must not hang the scheduler)."""
+        fresh = [call for call in calls if call.given_up is None]
+        now = self.loop.time()
+        for call in fresh:
+            call.given_up, call.given_up_at = why, now
+        if not fresh:
+            return
+        self.pool.count(**{"stalled_calls" if why is _Why.STALLED else "cancelled_calls": len(fresh)})
+        task = self.loop.create_task(self.backend.cancel([call.request for call in fresh]))
+        self.cancels.add(task)
+        task.add_done_callback(self.cancels.discard)
+        task.add_done_callback(_consume)
+
+    # ------------------------------------------------------------ timers
+    def next_deadline(self) -> float | None:
+        """The earliest moment a rule fires: a busy server's stall deadline or a given-up call's grace end."""
+        deadlines = []
+        busy = {call.request.server for call in self.calls.values() if call.given_up is None}
+        deadlines += [self.progress[server] + self.config.request_timeout_s for server in busy]
+        deadlines += [c.given_up_at + self.config.abort_grace_s for c in self.calls.values() if c.given_up]
+        return min(deadlines, default=None)
+
+    def fire_timers(self) -> None:
+        now = self.loop.time()
+        for server in {call.request.server for call in self.calls.values() if call.given_up is None}:
+            if now >= self.progress[server] + self.config.request_timeout_s:
+                self.router.avoid(server)
+                self.progress[server] = now
+                self.give_up([c for c in self.calls.values() if c.request.server == server], _Why.STALLED)
+        for call in list(self.calls.values()):
+            if call.given_up is not None and now >= call.given_up_at + self.config.abort_grace_s:
+                self.abandon(call)
+
+    def abandon(self, call: _Call) -> None:
+        """A given-up call whose server did not even answer the cancel: forget it (its late answer is ignored)."""
+        del self.calls[call.future]
+        _consume(call.future)
+        self.router.remove(call.request.server, call.tokens)
+        self.pool.count(abandoned_calls=1)
+        if call.given_up is _Why.STALLED:
+            self.fail(call.request.ref)
+        elif call.given_up is _Why.STEP_END:
+            self.pool.release(call.request.ref)
+
+    async def wait(self, timeout: float | None) -> None:
+        """Record every answer that arrives before ``timeout`` (relative) or the next rule deadline."""
+        deadline = self.next_deadline()
+        if timeout is not None:
+            end = self.loop.time() + timeout
+            deadline = end if deadline is None else min(deadline, end)
+        wait_for = None if deadline is None else max(0.0, deadline - self.loop.time())
+        done, _ = await asyncio.wait(list(self.calls), timeout=wait_for, return_when=asyncio.FIRST_COMPLETED)
+        for future in done:
+            self.record(future)
+        self.fire_timers()
+
+    # ------------------------------------------------------------ step end
+    async def end(self) -> None:
+        """The step-end protocol (module docstring): no call is left generating, nothing waits on timeouts."""
+        if not self.calls:
+            return
+        if not self.config.abort_on_done:
+            # A backend that cannot abort: calls end within one chunk; stalls are still detected.
+            while self.calls:
+                await self.wait(None)
+            return
+        self.aborted = True
+        await self.control(self.backend.abort_all())
+        grace_end = self.loop.time() + self.config.abort_grace_s
+        while self.calls and self.loop.time() < grace_end:
+            await self.wait(grace_end - self.loop.time())
+        self.give_up(list(self.calls.values()), _Why.STEP_END)
+        while self.calls:
+            await self.wait(None)
+        if self.cancels:
+            await asyncio.wait(list(self.cancels), timeout=self.config.abort_grace_s)
+
+    async def control(self, call: Awaitable[None]) -> None:
+        """Abort/resume, bounded by ``abort_grace_s``: a hung server's control call must not hang the step."""
+        try:
+            await asyncio.wait_for(call, self.config.abort_grace_s)
+        except asyncio.TimeoutError:
+            self.pool.count(control_timeouts=1)
+
+    def load_metrics(self) -> dict[str, float]:
+        tokens = [self.pool.server_tokens.get(server, 0) for server in self.router.servers]
+        mean = sum(tokens) / len(tokens)
+        return {
+            "partial/server_load/tokens_max": float(max(tokens)),
+            "partial/server_load/tokens_mean": float(mean),
+            "partial/server_load/max_over_mean": max(tokens) / mean if mean else 1.0,
+        }
+
+
+def _consume(done: asyncio.Future) -> None:
+    """Retrieve a finished future's exception so an ignored failure is not reported as never retrieved."""
+    if done.done() and not done.cancelled():
+        done.exception()
+    elif not done.done():
+        done.add_done_callback(_consume)
+
+
 async def run_step(
     pool: RolloutPool[P],
     backend: SegmentBackend[P],
@@ -61,56 +295,25 @@ async def run_step(
     *,
     step: int,
     version: int,
-    clock: Callable[[], float] | None = None,
+    server_version: int | None = None,
 ) -> StepResult[P]:
-    """Generate until ``pool.batch_groups`` groups are finished; park the rest; hand those groups over."""
-    clock = clock or asyncio.get_running_loop().time
-    started = clock()
-    pool.begin_step(step, version)
-    tasks: dict[asyncio.Task, SampleRef] = {}
-    source_empty = False
-    timeout = pool.config.request_timeout_s
+    """Generate until ``pool.batch_groups`` groups are finished; park the rest; hand those groups over.
 
-    def fill() -> None:
-        nonlocal source_empty
-        while not source_empty and pool.free_slots() > 0:
-            item = source.next_prompt()
-            if item is None:
-                source_empty = True
-            else:
-                pool.admit(*item)
-
-    def launch() -> None:
-        for ref in pool.runnable():
-            request = pool.start(ref)
-            group = pool.groups[ref.group_id]
-            call: Awaitable[SegmentResult] = backend.generate(group, request)
-            tasks[asyncio.ensure_future(asyncio.wait_for(call, timeout))] = ref
-
-    def record(task: asyncio.Task) -> None:
-        ref = tasks.pop(task)
-        if task.cancelled() or task.exception() is not None:
-            pool.fail_segment(ref)
-            return
-        result: SegmentResult = task.result()
-        pool.finish_segment(
-            ref,
-            result.new_ids,
-            result.new_log_probs,
-            eos=result.eos,
-            prompt_ids=result.prompt_ids,
-            output=result.output,
-            route=result.route,
-        )
-
+    ``server_version``: the ``global_steps`` every server must report (None: not checked). Times come from the
+    running event loop's clock, so a virtual-time loop drives the same code in tests.
+    """
+    pool.begin_step(step, version, server_version)
+    state = _Step(pool, backend, source)
+    loop = state.loop
+    started = loop.time()
     try:
         while True:
-            fill()
+            state.fill()
             if pool.step_done():
                 break
-            launch()
-            if not tasks:
-                if pool.needs_budget_round(can_admit=not source_empty):
+            state.launch()
+            if not state.calls:
+                if pool.needs_budget_round(can_admit=not state.source_empty):
                     pool.grant_budget_round()
                     continue
                 raise OutOfPrompts(
@@ -118,21 +321,20 @@ async def run_step(
                     f"can be assembled: the prompt source is exhausted and {len(pool.groups)} groups remain "
                     "(groups dropped or failed near the end of training exceed partial.extra_groups)"
                 )
-            done, _ = await asyncio.wait(list(tasks), return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                record(task)
-        if tasks:
-            if pool.config.abort_on_done:
-                await backend.abort_all()
-            finished, _ = await asyncio.wait(list(tasks))
-            for task in finished:
-                record(task)
+            await state.wait(None)
+        ended = loop.time()
+        await state.end()
     finally:
+        # On an error, too: no call may outlive the step (cancelled at its server, then forgotten).
+        if state.calls:
+            state.give_up(list(state.calls.values()), _Why.STEP_END)
+            for call in list(state.calls.values()):
+                state.abandon(call)
+            if state.cancels:
+                await asyncio.wait(list(state.cancels), timeout=pool.config.abort_grace_s)
         if pool.config.abort_on_done:
-            await backend.resume()
-        for task in list(tasks):
-            task.cancel()
-            pool.fail_segment(tasks.pop(task))
+            await state.control(backend.resume())
     trained = pool.take_ready()
-    metrics = pool.step_metrics(trained)
-    return StepResult(trained=trained, metrics=metrics, seconds=clock() - started)
+    metrics = pool.step_metrics(trained) | state.load_metrics()
+    metrics["partial/step_end_s"] = loop.time() - ended
+    return StepResult(trained=trained, metrics=metrics, seconds=loop.time() - started)

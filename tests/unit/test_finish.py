@@ -1,0 +1,104 @@
+"""Stop-reason mapping per engine, fed with the TokenOutputs verl 0.9.1's servers build.
+
+Shapes (``verl/workers/rollout/vllm_rollout/vllm_async_server.py`` and ``sglang_rollout/async_sglang_server.py``):
+vLLM returns ``stop_reason="completed"`` for vLLM's finish "stop" and "length", ``"aborted"`` for "abort" and for a
+request refused by a rejecting gate (``token_ids=[]``, ``log_probs=None``); SGLang returns
+``meta_info["finish_reason"]["type"]`` unchanged: "stop", "length" or "abort" (with ``token_ids=[]`` when the
+log-probs payload is empty after an abort).
+"""
+
+from __future__ import annotations
+
+import pytest
+from verl.workers.rollout.replica import TokenOutput
+
+from verl_partial.core.finish import (
+    Finish,
+    check_model_len,
+    eos_id_set,
+    finish_mapper,
+    finished,
+    from_sglang,
+    from_vllm,
+)
+
+# Qwen2.5: tokenizer eos 151645 (<|im_end|>), generation_config adds 151643 (<|endoftext|>).
+EOS_IDS = eos_id_set(151645, [151645, 151643], None)
+
+
+def _map(mapper, output: TokenOutput, max_tokens: int, eos_ids=EOS_IDS) -> Finish:
+    return mapper(output.stop_reason, output.token_ids, max_tokens, eos_ids)
+
+
+def test_eos_ids_are_the_union_of_all_sources():
+    assert EOS_IDS == {151643, 151645}
+    assert eos_id_set(2, None, [7, 8]) == {2, 7, 8}
+    assert eos_id_set(None, None, None) == frozenset()
+
+
+@pytest.mark.parametrize(
+    ("output", "max_tokens", "expected"),
+    [
+        # vLLM finish "stop" on the tokenizer's EOS
+        (TokenOutput(token_ids=[5, 6, 151645], log_probs=[-1.0] * 3, stop_reason="completed"), 8, Finish.EOS),
+        # ... on generation_config's extra EOS (tokenizer.eos_token_id alone would miss it)
+        (TokenOutput(token_ids=[5, 151643], log_probs=[-1.0] * 2, stop_reason="completed"), 8, Finish.EOS),
+        # ... on EOS exactly at max_tokens: an EOS, not a budget stop
+        (TokenOutput(token_ids=[5, 6, 151645], log_probs=[-1.0] * 3, stop_reason="completed"), 3, Finish.EOS),
+        # vLLM finish "stop" on a stop string: vLLM drops the string, the output is short and ends on no EOS
+        (TokenOutput(token_ids=[5, 6], log_probs=[-1.0] * 2, stop_reason="completed"), 8, Finish.STOP),
+        # vLLM finish "length"
+        (TokenOutput(token_ids=[5, 6, 7], log_probs=[-1.0] * 3, stop_reason="completed"), 3, Finish.LENGTH),
+        # pause_generation(abort) of a running request: its tokens so far
+        (TokenOutput(token_ids=[5, 6], log_probs=[-1.0] * 2, stop_reason="aborted"), 8, Finish.ABORTED),
+        # aborted while queued, or refused by a rejecting gate (_park_until_admitted)
+        (TokenOutput(token_ids=[], log_probs=None, stop_reason="aborted"), 8, Finish.ABORTED),
+    ],
+)
+def test_vllm_server_outputs(output, max_tokens, expected):
+    assert _map(from_vllm, output, max_tokens) is expected
+    assert _map(finish_mapper("cpu"), output, max_tokens) is expected  # our CPU server speaks vLLM's words
+
+
+def test_a_stop_token_id_of_the_request_is_an_eos():
+    output = TokenOutput(token_ids=[5, 42], log_probs=[-1.0] * 2, stop_reason="completed")
+    assert _map(from_vllm, output, 2, eos_id_set(151645, None, [42])) is Finish.EOS
+    assert _map(from_vllm, output, 2) is Finish.LENGTH
+
+
+@pytest.mark.parametrize(
+    ("output", "expected"),
+    [
+        (TokenOutput(token_ids=[5, 151645], log_probs=[-1.0] * 2, stop_reason="stop"), Finish.EOS),
+        (TokenOutput(token_ids=[5, 151643], log_probs=[-1.0] * 2, stop_reason="stop"), Finish.EOS),
+        (TokenOutput(token_ids=[5, 6], log_probs=[-1.0] * 2, stop_reason="stop"), Finish.STOP),
+        (TokenOutput(token_ids=[5, 6, 7], log_probs=[-1.0] * 3, stop_reason="length"), Finish.LENGTH),
+        (TokenOutput(token_ids=[5], log_probs=[-1.0], stop_reason="abort"), Finish.ABORTED),
+        (TokenOutput(token_ids=[], log_probs=[], stop_reason="abort"), Finish.ABORTED),
+    ],
+)
+def test_sglang_server_outputs(output, expected):
+    # SGLang never says "completed": a "stop" without EOS must still end the sample (a stop string).
+    assert _map(from_sglang, output, 3) is expected
+
+
+def test_unknown_stop_reasons_are_refused_not_guessed():
+    with pytest.raises(ValueError, match="unknown vLLM stop_reason 'stop'"):
+        from_vllm("stop", [1], 4, EOS_IDS)
+    with pytest.raises(ValueError, match="unknown SGLang stop_reason 'completed'"):
+        from_sglang("completed", [1], 4, EOS_IDS)
+    with pytest.raises(ValueError, match="actor_rollout_ref.rollout.name must be one of"):
+        finish_mapper("trtllm")
+
+
+def test_finished():
+    assert finished(Finish.EOS, 3, 100) and finished(Finish.STOP, 3, 100)
+    assert not finished(Finish.LENGTH, 99, 100) and finished(Finish.LENGTH, 100, 100)
+    assert not finished(Finish.ABORTED, 100, 100)
+
+
+def test_max_model_len_too_small_is_refused():
+    check_model_len(None, 1024, 16384)
+    check_model_len(17408, 1024, 16384)
+    with pytest.raises(ValueError, match=r"actor_rollout_ref.rollout.max_model_len \(16384\) must be null or >= "):
+        check_model_len(16384, 1024, 16384)
