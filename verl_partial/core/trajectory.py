@@ -193,6 +193,14 @@ class Trajectory:
         self.phase = Phase.MODEL_TURN
         return self.phase
 
+    def drop_tool_output(self) -> None:
+        """The pending calls ran but their output does not fit in the response: verl ends the trajectory without
+        appending it. The calls count as made and are cleared."""
+        self._require(Phase.TOOL_CALLS, "drop tool output")
+        self.tool_calls_made += len(self.pending_calls)
+        self.pending_calls = []
+        self.phase = Phase.DONE
+
     def finish(self) -> None:
         """End the trajectory where it stands (e.g. the response is full in the middle of a turn)."""
         self.phase = Phase.DONE
