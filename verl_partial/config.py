@@ -8,6 +8,10 @@ or a bad value is reported with its full key name -- in the driver, before Ray s
 from __future__ import annotations
 
 import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
@@ -21,17 +25,57 @@ T = TypeVar("T")
 PARTIAL_MANAGER = "verl_partial.glue.partial_rollout.PartialAgentLoopManager"
 
 
+def block_values(config: DictConfig | dict[str, Any], block: str) -> dict[str, Any]:
+    """``config[block]`` as a plain dict ({} when absent); a plain string there is a group that was never composed."""
+    raw = config.get(block) if config is not None else None
+    if raw is None:
+        return {}
+    if isinstance(raw, DictConfig):
+        return OmegaConf.to_container(raw, resolve=True)
+    if isinstance(raw, Mapping):
+        return dict(raw)
+    raise ValueError(
+        f"{block} is the plain value {raw!r}, not verl-partial's config group {block}: either Hydra did not find "
+        f"verl-partial's groups (check that `python -c 'import hydra_plugins.verl_partial_searchpath'` works in this "
+        f"Python, i.e. verl-partial is installed there), or a YAML file wrote `{block}: {raw}` as a value. Select the "
+        f"group with `+{block}={raw}` on the command line, or `- {block}: {raw}` in your config's defaults list"
+    )
+
+
 def block_to_dataclass(config: DictConfig | dict[str, Any], block: str, cls: type[T]) -> T:
     """Build ``cls`` from ``config[block]``; unknown keys are an error naming ``block.key``."""
-    raw = config.get(block) if config is not None else None
-    values: dict[str, Any] = {}
-    if raw is not None:
-        values = OmegaConf.to_container(raw, resolve=True) if isinstance(raw, DictConfig) else dict(raw)
+    values = block_values(config, block)
     known = {field.name for field in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ValueError(f"unknown key(s) {[f'{block}.{key}' for key in unknown]}; allowed keys: {sorted(known)}")
+    hints = typing.get_type_hints(cls)
+    for key, value in values.items():
+        _check_type(f"{block}.{key}", value, hints[key])
     return cls(**values)
+
+
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _check_type(key: str, value: Any, hint: Any) -> None:
+    """``value`` must be of the field's declared scalar type: YAML's ``"false"`` or ``1.5`` for an int fail here."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    for option in options:
+        if option is type(None) and value is None:
+            return
+        if option is bool and isinstance(value, bool):
+            return
+        if option is int and isinstance(value, int) and not isinstance(value, bool):
+            return
+        if option is float and isinstance(value, int | float) and not isinstance(value, bool):
+            return
+        if option is str and isinstance(value, str):
+            return
+        if option not in (bool, int, float, str, type(None)):
+            return  # not a scalar field: the dataclass validates it
+    allowed = " or ".join("null" if option is type(None) else _TYPE_NAMES[option] for option in options)
+    raise ValueError(f"{key} must be {allowed}, got {value!r}")
 
 
 def backend_config(config: DictConfig) -> BackendConfig | None:
@@ -52,8 +96,6 @@ def check_partial_against_trainer(config: DictConfig) -> None:
     """Combinations partial rollout cannot honour fail here, naming the verl key to change."""
     rollout = config.actor_rollout_ref.rollout
     problems = []
-    if config.trainer.get("use_v1", False):
-        problems.append("trainer.use_v1 must be false: partial rollout hooks the legacy RayPPOTrainer")
     if str(config.algorithm.adv_estimator).lower() == "remax":
         problems.append("algorithm.adv_estimator=remax is unsupported: its greedy baseline rollouts are not groups")
     if not rollout.get("calculate_log_probs", False):
@@ -79,20 +121,148 @@ def check_balance_against_trainer(config: DictConfig) -> None:
         )
 
 
+def check_trainer_path(config: DictConfig) -> None:
+    """Our groups that hook verl's legacy RayPPOTrainer refuse verl's v1 PPOTrainer (``trainer.use_v1=true``).
+
+    v1 (verl 0.9.1's default) never builds RayPPOTrainer, so those hooks would silently not run.
+    Rollout correction is not listed: it reaches verl's own keys through the composed config, which
+    both trainers read.
+    """
+    if not config.trainer.get("use_v1", False):
+        return
+    reasons = []
+    if config.get("backend") is not None:
+        reasons.append(
+            f"+backend={block_values(config, 'backend').get('name')}: the CPU backend is set up for verl's legacy "
+            "RayPPOTrainer; v1 also needs TransferQueue and its own agent-loop manager"
+        )
+    if partial_config(config) is not None:
+        reasons.append(
+            "+partial: partial rollout hooks RayPPOTrainer's dataloader, agent-loop manager and checkpoints, "
+            "which the v1 PPOTrainer does not build"
+        )
+    if config.get("balance") is not None:
+        reasons.append(
+            "+balance: the v1 PPOTrainer always runs its own sample-level _balance_batch (it pads the batch and "
+            "spreads samples over ranks regardless of groups) and offers no hook to replace or measure it"
+        )
+    if reasons:
+        raise ValueError(
+            "trainer.use_v1 must be false (verl's legacy RayPPOTrainer) for:\n  - "
+            + "\n  - ".join(reasons)
+            + "\nThe +partial and +backend groups set trainer.use_v1=false; a later trainer.use_v1=true undoes "
+            "that. Set trainer.use_v1=false, or drop these groups to run verl's v1 trainer."
+        )
+
+
+def correction_config(config: DictConfig | dict[str, Any]):
+    """The typed ``rollout_correction`` block (a ``RolloutCorrectionConfig``), or None without one."""
+    from verl_partial.core.correction import BLOCK, from_mapping
+
+    if config.get(BLOCK) is None:
+        return None
+    return from_mapping(block_values(config, BLOCK))
+
+
+def check_correction_against_trainer(config: DictConfig, correction: Any, *, partial_enabled: bool) -> None:
+    """The composed config must already hold in verl's keys exactly what our block asks for.
+
+    Our groups write ``algorithm.rollout_correction`` (and, for bypass, the actor's policy loss) by
+    interpolation from the ``rollout_correction`` block, so any verl trainer reads them as they are;
+    nothing rewrites them later. A mismatch means they were also set by hand: refuse it.
+    """
+    from verl_partial.core.correction import BLOCK, BYPASS_LOSS_MODE, check_against_trainer, to_verl_fields
+
+    policy_loss = config.actor_rollout_ref.actor.policy_loss
+    check_against_trainer(
+        correction,
+        calculate_log_probs=bool(config.actor_rollout_ref.rollout.get("calculate_log_probs", False)),
+        policy_loss_mode=policy_loss.get("loss_mode", "vanilla"),
+    )
+    if correction.max_token_staleness is not None and not partial_enabled:
+        raise ValueError(
+            f"{BLOCK}.max_token_staleness={correction.max_token_staleness} needs +partial: token ages come from the "
+            f"per-token policy versions partial rollout records. Add +partial=default, or set "
+            f"{BLOCK}.max_token_staleness=null"
+        )
+    choice = _selected_group_option(BLOCK)
+    if choice is not None and choice != correction.preset:
+        raise ValueError(
+            f"{BLOCK}.preset={correction.preset!r} but the group selected is +{BLOCK}={choice}: {BLOCK}.preset only "
+            f"labels the values the group wrote, every other key still holds {choice}'s. Select the preset with "
+            f"+{BLOCK}={correction.preset} (and override single keys with {BLOCK}.<key>=...)"
+        )
+    expected = to_verl_fields(correction)
+    written = block_values(config.algorithm, BLOCK)
+    for key, value in expected.items():
+        if written.get(key) != value:
+            raise ValueError(
+                f"algorithm.{BLOCK}.{key} is {written.get(key)!r} but {BLOCK} (preset {correction.preset!r}) asks for "
+                f"{value!r}: set rollout correction in one place only. With +{BLOCK}=<preset>, change "
+                f"{BLOCK}.<key> and leave algorithm.{BLOCK} to the group (it interpolates it from {BLOCK})"
+            )
+    if correction.bypass_mode:
+        in_loss = block_values(policy_loss, BLOCK)
+        if any(in_loss.get(key) != value for key, value in expected.items()):
+            raise ValueError(
+                f"actor_rollout_ref.actor.policy_loss.{BLOCK} must equal algorithm.{BLOCK} with "
+                f"{BLOCK}.bypass_mode=true (the '{BYPASS_LOSS_MODE}' loss reads its correction there), got "
+                f"{in_loss}: leave it to the +{BLOCK} group, which sets it to ${{algorithm.{BLOCK}}}"
+            )
+
+
+def _selected_group_option(group: str) -> str | None:
+    """The option Hydra composed for ``group`` (``+group=option``), when running under Hydra."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    return HydraConfig.get().runtime.choices.get(group)
+
+
+def check_resume_keeps_partial(config: DictConfig, *, partial_enabled: bool) -> None:
+    """A checkpoint written with +partial holds parked groups and drawn prompts only partial rollout can resume."""
+    if partial_enabled:
+        return
+    folder = _resume_folder(config.trainer)
+    if folder is None:
+        return
+    from verl_partial.glue.partial_rollout import STATE_FILE
+
+    state = os.path.join(folder, STATE_FILE)
+    if os.path.exists(state):
+        raise ValueError(
+            f"trainer.resume_mode={config.trainer.resume_mode} resumes {folder}, whose {state} holds partial-rollout "
+            "state (parked groups and prompts already drawn from the dataloader), but this run has no +partial: "
+            "they would be silently dropped. Add +partial=<the preset of the run that wrote it>, or start fresh "
+            "with trainer.resume_mode=disable or another trainer.default_local_dir"
+        )
+
+
+def _resume_folder(trainer: DictConfig) -> str | None:
+    """The ``global_step_N`` folder verl's ``_load_checkpoint`` would resume, or None (same rules as verl 0.9.1)."""
+    mode = trainer.get("resume_mode", "auto")
+    if mode == "disable" or trainer.get("default_hdfs_dir") is not None:
+        return None
+    if mode == "resume_path":
+        path = trainer.get("resume_from_path")
+        return os.path.abspath(path) if isinstance(path, str) else None
+    from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path, get_checkpoint_tracker_filename
+
+    root = os.path.abspath(trainer.default_local_dir)
+    return find_latest_ckpt_path(root) if os.path.exists(get_checkpoint_tracker_filename(root)) else None
+
+
 def validate_root_config(config: DictConfig) -> None:
     """Validate every block of ours present in ``config``; raises ValueError naming the key."""
     backend_config(config)
-    if partial_config(config) is not None:
+    partial = partial_config(config)
+    if partial is not None:
         check_partial_against_trainer(config)
     if config.get("balance") is not None:
         check_balance_against_trainer(config)
-    if config.get("rollout_correction") is not None:
-        from verl_partial.core.correction import check_against_trainer, from_mapping
-
-        raw = config.rollout_correction
-        correction = from_mapping(OmegaConf.to_container(raw, resolve=True) if isinstance(raw, DictConfig) else raw)
-        check_against_trainer(
-            correction,
-            calculate_log_probs=bool(config.actor_rollout_ref.rollout.get("calculate_log_probs", False)),
-            policy_loss_mode=config.actor_rollout_ref.actor.policy_loss.get("loss_mode", "vanilla"),
-        )
+    check_trainer_path(config)
+    correction = correction_config(config)
+    if correction is not None:
+        check_correction_against_trainer(config, correction, partial_enabled=partial is not None)
+    check_resume_keeps_partial(config, partial_enabled=partial is not None)

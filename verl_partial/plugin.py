@@ -11,7 +11,28 @@ import warnings
 
 LOAD_ERROR: BaseException | None = None
 
+
+def register_with_hydra() -> None:
+    """Our config groups and resolvers, whether or not Hydra's plugin scan finds ``hydra_plugins``.
+
+    Hydra lists search-path plugins by walking the ``hydra_plugins`` namespace package's path. Under
+    an editable install (setuptools' import-hook finder) that path holds only the finder's
+    placeholder, which ``pkgutil`` cannot list, so the scan misses our plugin unless the checkout
+    happens to be the working directory. verl imports this module before ``main_ppo``'s
+    ``@hydra.main`` composes, so registering the plugin class here makes ``+partial=...`` work from
+    any directory under any install.
+    """
+    from hydra.core.plugins import Plugins
+
+    from hydra_plugins.verl_partial_searchpath.searchpath import VerlPartialSearchPathPlugin
+    from verl_partial import hydra_resolvers
+
+    hydra_resolvers.register()
+    Plugins.instance().register(VerlPartialSearchPathPlugin)
+
+
 try:
+    register_with_hydra()
     from verl_partial import verl_patches
 
     verl_patches.install()

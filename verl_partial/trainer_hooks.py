@@ -10,7 +10,7 @@ import logging
 import os
 from typing import Any
 
-from verl_partial.config import partial_config, validate_root_config
+from verl_partial.config import correction_config, partial_config, validate_root_config
 
 logger = logging.getLogger("verl_partial")
 
@@ -20,16 +20,15 @@ _correction: Any = None
 
 
 def before_trainer_init(config: Any) -> None:
-    """Runs before RayPPOTrainer.__init__: the last moment config edits reach the workers."""
+    """Runs before RayPPOTrainer.__init__: validates again in the TaskRunner; edits nothing.
+
+    Our groups write verl's own keys in the composed config (``verl_partial.hydra_resolvers``), so
+    what the workers receive is what ``--cfg job --resolve`` printed; the check here only refuses a
+    config that no longer says what our blocks ask for.
+    """
     global _correction
     validate_root_config(config)
-    if config.get("rollout_correction") is not None:
-        from verl_partial.glue.correction import apply_to_trainer_config, from_trainer_config
-
-        # Writes verl's algorithm.rollout_correction and, for bypass presets, the actor's loss mode --
-        # before init_workers, so the workers' copy of the config carries them (verl #4912/#4272).
-        apply_to_trainer_config(config)
-        _correction = from_trainer_config(config)
+    _correction = correction_config(config)
 
 
 def after_trainer_init(trainer: Any) -> None:

@@ -289,8 +289,11 @@ def _wrap_driver_entry() -> None:
 
     @functools.wraps(original)
     def auto_set_device(config):
-        from verl_partial.config import validate_root_config
+        from verl_partial.config import check_resume_keeps_partial, validate_root_config
 
+        if config is not None and not uses_our_config(config):
+            # Even a run without our groups must not resume a +partial checkpoint and drop its parked groups.
+            check_resume_keeps_partial(config, partial_enabled=False)
         if config is not None and uses_our_config(config):
             validate_root_config(config)
             if config.get("backend") is not None and config.backend.get("name") in BACKEND_NAMES:
@@ -402,11 +405,13 @@ def _patch_ray_trainer(module: ModuleType) -> None:
     def _balance_batch(self, batch, metrics, *args, **kwargs):
         if self.config.get("balance") is not None:
             dp_size = self._get_dp_size(self.actor_rollout_wg, "actor")
+            # The critic is a TrainingWorker: its dp ranks are registered under the "train" mesh.
+            critic_dp = self._get_dp_size(self.critic_wg, "train") if getattr(self, "use_critic", False) else None
 
             def verl_default(b, m):
                 return original_balance(self, b, m, *args, **kwargs)
 
-            return trainer_hooks.balance_batch(self, batch, metrics, dp_size, verl_default)
+            return trainer_hooks.balance_batch(self, batch, metrics, dp_size, verl_default, critic_dp)
         return original_balance(self, batch, metrics, *args, **kwargs)
 
     trainer_cls._balance_batch = _balance_batch

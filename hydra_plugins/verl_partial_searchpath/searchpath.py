@@ -15,6 +15,11 @@ from pathlib import Path
 from hydra.core.config_search_path import ConfigSearchPath
 from hydra.plugins.search_path_plugin import SearchPathPlugin
 
+from verl_partial import hydra_resolvers
+
+# Hydra imports this module while scanning plugins, i.e. before it composes a config using them.
+hydra_resolvers.register()
+
 
 def config_dir() -> Path:
     spec = importlib.util.find_spec("verl_partial.hydra_configs")
@@ -27,5 +32,7 @@ def config_dir() -> Path:
 
 
 class VerlPartialSearchPathPlugin(SearchPathPlugin):
+    """Appends our config dir; importing this module also registers the resolvers our groups use."""
+
     def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
         search_path.append(provider="verl-partial", path=f"file://{config_dir()}")

@@ -21,6 +21,7 @@ from verl.trainer.config.algorithm import RolloutCorrectionConfig as VerlConfig
 from verl.trainer.ppo.rollout_corr_helper import SUPPORTED_ROLLOUT_RS_OPTIONS, apply_bypass_mode
 from verl.utils.config import omega_conf_to_dataclass
 
+from verl_partial.config import correction_config
 from verl_partial.core.correction import (
     PRESET_NAMES,
     RS_MODES,
@@ -33,7 +34,7 @@ from verl_partial.core.correction import (
     to_verl_fields,
     veto_k2_threshold,
 )
-from verl_partial.glue.correction import apply_to_trainer_config, from_trainer_config, to_verl_config
+from verl_partial.glue.correction import to_verl_config
 
 REPO = Path(__file__).resolve().parents[2]
 YAML_DIR = REPO / "hydra_configs" / "rollout_correction"
@@ -129,8 +130,16 @@ def test_yaml_mirrors_the_preset_field_by_field(name: str) -> None:
     for field in FIELDS:
         assert block[field] == getattr(expected, field), field
     assert RolloutCorrectionConfig(**block) == expected
-    assert loaded["actor_rollout_ref"] == {"rollout": {"calculate_log_probs": True}}
-    assert set(loaded) == {"rollout_correction", "actor_rollout_ref"}
+    policy_loss = {"rollout_correction": "${algorithm.rollout_correction}"}
+    if expected.bypass_mode:
+        policy_loss["loss_mode"] = "bypass_mode"
+    assert loaded["actor_rollout_ref"] == {
+        "rollout": {"calculate_log_probs": True},
+        "actor": {"policy_loss": policy_loss},
+    }
+    # verl's own block: the same interpolations in every preset, so the values come from ours alone.
+    assert loaded["algorithm"] == OmegaConf.to_container(OmegaConf.load(YAML_DIR / "token_is.yaml"))["algorithm"]
+    assert set(loaded) == {"rollout_correction", "actor_rollout_ref", "algorithm"}
 
 
 def test_hydra_selects_a_preset_and_takes_overrides() -> None:
@@ -142,9 +151,8 @@ def test_hydra_selects_a_preset_and_takes_overrides() -> None:
     ]
     with initialize_config_dir(config_dir=str(VERL_CONFIG_DIR), version_base=None):
         config = compose(config_name="ppo_trainer", overrides=overrides)
-    assert from_trainer_config(config) == dataclasses.replace(preset("seq_is_rs"), is_threshold=3.0)
-    apply_to_trainer_config(config)
-    assert OmegaConf.to_container(config.algorithm.rollout_correction) == {
+    assert correction_config(config) == dataclasses.replace(preset("seq_is_rs"), is_threshold=3.0)
+    assert OmegaConf.to_container(config.algorithm.rollout_correction, resolve=True) == {
         **_verl_fields(VerlConfig.decoupled_seq_is_rs()),
         "rollout_is_threshold": 3.0,
     }
@@ -174,9 +182,18 @@ def test_from_mapping_starts_from_the_named_preset() -> None:
         ({"is_threshold_lower": 0.5}, "rollout_correction.is_threshold_lower must be null when is_level is null"),
         ({"is_batch_normalize": True}, "rollout_correction.is_batch_normalize must be false when is_level is null"),
         ({"rs_mode": "geometric", "rs_threshold": 1.001}, r"rollout_correction.rs_mode must be null or one of \["),
-        ({"rs_mode": "seq_mean_k1"}, "rollout_correction.rs_threshold must be a number >= 1"),
-        ({"rs_mode": "seq_mean_k1", "rs_threshold": 0.9}, "rollout_correction.rs_threshold must be a number >= 1"),
-        ({"rs_mode": "seq_mean_k3"}, "rollout_correction.rs_threshold must be a number > 0"),
+        ({"rs_mode": "seq_mean_k1"}, "rollout_correction.rs_threshold must be a number > 1"),
+        ({"rs_mode": "seq_mean_k1", "rs_threshold": 0.9}, "rollout_correction.rs_threshold must be a number > 1"),
+        ({"rs_mode": "seq_mean_k1", "rs_threshold": 1.0}, "rollout_correction.rs_threshold must be a number > 1"),
+        ({"rs_mode": "seq_mean_k3"}, "rollout_correction.rs_threshold must be a number >= 1e-06"),
+        (
+            {"rs_mode": "seq_mean_k3", "rs_threshold": 1e-300},
+            "rollout_correction.rs_threshold must be a number >= 1e-06",
+        ),
+        (
+            {"is_level": "token", "is_threshold": 1.0, "is_threshold_lower": 1.0},
+            "rollout_correction.is_threshold_lower must be below is_threshold=1.0",
+        ),
         ({"rs_threshold": 2.0}, "rollout_correction.rs_threshold must be null when rs_mode is null"),
         (
             {"rs_mode": "seq_mean_k3", "rs_threshold": 0.01, "rs_threshold_lower": 0.5},
@@ -184,9 +201,10 @@ def test_from_mapping_starts_from_the_named_preset() -> None:
         ),
         (
             {"rs_mode": "token_k1", "rs_threshold": 2.0, "rs_threshold_lower": 1.2},
-            r"rollout_correction.rs_threshold_lower must be null \(= 1/rs_threshold\) or a number in \(0, 1\]",
+            r"rollout_correction.rs_threshold_lower must be null \(= 1/rs_threshold\) or a number in \(0, 1\)",
         ),
-        ({"rs_token_veto": 2.0}, r"rollout_correction.rs_token_veto must be null or a number in \(0, 1\)"),
+        ({"rs_token_veto": 2.0}, r"rollout_correction.rs_token_veto must be null or a number in \(0, 0.998\]"),
+        ({"rs_token_veto": 0.9999}, r"rollout_correction.rs_token_veto must be null or a number in \(0, 0.998\]"),
         (
             {"rs_mode": "seq_max_k2", "rs_threshold": 40.0, "rs_token_veto": 1e-4},
             "rollout_correction.rs_mode must be not seq_max_k2 when rs_token_veto is set",
@@ -208,13 +226,15 @@ def test_invalid_values_name_the_key_and_the_allowed_values(overrides: dict[str,
 def test_check_against_trainer() -> None:
     check_against_trainer(preset("token_is"), calculate_log_probs=True, policy_loss_mode="gspo")
     check_against_trainer(preset("disabled"), calculate_log_probs=False, policy_loss_mode="vanilla")
-    check_against_trainer(preset("pure_is"), calculate_log_probs=True, policy_loss_mode="vanilla")
+    check_against_trainer(preset("pure_is"), calculate_log_probs=True, policy_loss_mode="bypass_mode")
+    with pytest.raises(ValueError, match="policy_loss.loss_mode must be 'bypass_mode' with rollout_correction.bypass"):
+        check_against_trainer(preset("pure_is"), calculate_log_probs=True, policy_loss_mode="vanilla")
     with pytest.raises(ValueError, match="actor_rollout_ref.rollout.calculate_log_probs must be true"):
         check_against_trainer(preset("seq_is_rs"), calculate_log_probs=False, policy_loss_mode="vanilla")
     with pytest.raises(ValueError, match="actor_rollout_ref.rollout.calculate_log_probs must be true"):
         stale_only = dataclasses.replace(preset("disabled"), max_token_staleness=2)
         check_against_trainer(stale_only, calculate_log_probs=False, policy_loss_mode="vanilla")
-    with pytest.raises(ValueError, match=r"policy_loss.loss_mode must be one of \['vanilla', 'bypass_mode'\]"):
+    with pytest.raises(ValueError, match="policy_loss.loss_mode must be 'bypass_mode'"):
         check_against_trainer(preset("pure_is"), calculate_log_probs=True, policy_loss_mode="gspo")
     with pytest.raises(ValueError, match="loss_mode='bypass_mode' requires rollout_correction.bypass_mode=true"):
         check_against_trainer(preset("token_is"), calculate_log_probs=True, policy_loss_mode="bypass_mode")
@@ -264,58 +284,14 @@ def test_verl_bypass_reaches_only_the_driver_copy() -> None:
     assert _worker_policy_loss(worker_copy).loss_mode == "vanilla"
 
 
-@pytest.mark.parametrize("via", ["our_block", "verl_block"])
-def test_apply_to_trainer_config_makes_bypass_reach_the_worker(via: str) -> None:
-    if via == "our_block":
-        config = _trainer_config({"preset": "bypass_pg_geo_rs"})
-    else:
-        config = _trainer_config()
-        with open_dict(config.algorithm):
-            config.algorithm.rollout_correction = _verl_fields(VerlConfig.bypass_pg_geo_rs())
-    apply_to_trainer_config(config)
+def test_composed_bypass_preset_reaches_the_worker_copy() -> None:
+    """With ``+rollout_correction=<bypass preset>`` the workers' copy already holds bypass: nothing to patch in fit."""
+    with initialize_config_dir(config_dir=str(VERL_CONFIG_DIR), version_base=None):
+        config = compose(config_name="ppo_trainer", overrides=["+rollout_correction=bypass_pg_geo_rs"])
+    config.actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu = 1
+    OmegaConf.resolve(config)  # the TaskRunner's first act
     worker_copy = copy.deepcopy(config.actor_rollout_ref)
     _run_fit_bypass_step(config)
     policy_loss = _worker_policy_loss(worker_copy)
     assert policy_loss.loss_mode == "bypass_mode"
     assert dict(policy_loss.rollout_correction) == _verl_fields(VerlConfig.bypass_pg_geo_rs())
-
-
-def test_apply_to_trainer_config_writes_decoupled_fields_only() -> None:
-    config = _trainer_config({"preset": "seq_is_rs", "is_threshold": 4.0})
-    apply_to_trainer_config(config)
-    expected = to_verl_fields(dataclasses.replace(preset("seq_is_rs"), is_threshold=4.0))
-    assert OmegaConf.to_container(config.algorithm.rollout_correction) == expected
-    assert config.actor_rollout_ref.actor.policy_loss.loss_mode == "vanilla"
-    assert "rollout_correction" not in config.actor_rollout_ref.actor.policy_loss
-    apply_to_trainer_config(config)  # idempotent
-    assert OmegaConf.to_container(config.algorithm.rollout_correction) == expected
-
-
-def test_apply_to_trainer_config_without_any_block_changes_nothing() -> None:
-    config = _trainer_config()
-    apply_to_trainer_config(config)
-    assert config == _trainer_config()
-
-
-def test_apply_to_trainer_config_refuses_two_sources() -> None:
-    config = _trainer_config({"preset": "seq_is"})
-    config.algorithm.rollout_correction.rollout_is = "token"
-    with pytest.raises(ValueError, match="set rollout correction in one place only"):
-        apply_to_trainer_config(config)
-
-
-def test_apply_to_trainer_config_checks_the_trainer_settings() -> None:
-    config = _trainer_config({"preset": "pure_is"})
-    config.actor_rollout_ref.actor.policy_loss.loss_mode = "gspo"
-    with pytest.raises(ValueError, match="policy_loss.loss_mode must be one of"):
-        apply_to_trainer_config(config)
-    config = _trainer_config({"preset": "token_is"})
-    config.actor_rollout_ref.rollout.calculate_log_probs = False
-    with pytest.raises(ValueError, match="calculate_log_probs must be true for rollout_correction preset 'token_is'"):
-        apply_to_trainer_config(config)
-    config = _trainer_config()
-    config.actor_rollout_ref.actor.policy_loss.loss_mode = "gspo"
-    with open_dict(config.algorithm):
-        config.algorithm.rollout_correction = _verl_fields(VerlConfig.bypass_ppo_clip())
-    with pytest.raises(ValueError, match="policy_loss.loss_mode must be one of"):
-        apply_to_trainer_config(config)

@@ -41,12 +41,16 @@ RS_MODES = (
     "seq_max_k3",
 )
 LOSS_TYPES = ("ppo_clip", "reinforce")
-# The actor loss modes bypass may replace: verl's bypass loss *is* PPO-clip/REINFORCE, so replacing
-# "vanilla" changes nothing the user asked for, while any other mode would be silently dropped.
-BYPASS_COMPATIBLE_LOSS_MODES = ("vanilla", "bypass_mode")
+# The actor loss mode that runs verl's bypass correction; the bypass presets write it into the composed config.
+BYPASS_LOSS_MODE = "bypass_mode"
+# Smallest k2/k3 divergence bound accepted: on-policy fp32 data already differs by ~1e-4 in log-prob between
+# rollout and training (k2 = k3 ~ 5e-9 per token), so a bound below this rejects (almost) every sequence.
+MIN_DIVERGENCE_THRESHOLD = 1e-6
 # The seed-era per-token veto ("reject the sequence if any token ratio < veto") is expressed with
 # verl's sequence-max of k2 = ½(log r)²; see ``RolloutCorrectionConfig.rs_token_veto``.
 VETO_RS_MODE = "seq_max_k2"
+# The veto becomes the k2 bound ½(log veto)², which must stay >= MIN_DIVERGENCE_THRESHOLD: veto <= exp(-sqrt(2e-6)).
+MAX_TOKEN_VETO = 0.998
 
 SEED_PRESET_NAMES = ("token_is", "seq_is", "seq_is_rs", "geo_rs", "ppo_is_bypass", "pure_is", "disabled")
 VERL_PRESET_NAMES = (
@@ -161,6 +165,12 @@ class RolloutCorrectionConfig:
                 "null or a number in (0, 1] (IcePop keeps r in [lower, is_threshold])",
                 self.is_threshold_lower,
             )
+            _require(
+                self.is_threshold_lower < self.is_threshold,
+                "is_threshold_lower",
+                f"below is_threshold={self.is_threshold} (an empty IcePop band [lower, upper] masks every token)",
+                self.is_threshold_lower,
+            )
         _require(
             isinstance(self.is_batch_normalize, bool), "is_batch_normalize", "true or false", self.is_batch_normalize
         )
@@ -200,24 +210,26 @@ class RolloutCorrectionConfig:
             )
         elif self.rs_mode.endswith("k1"):
             # A ratio band that excludes 1 rejects on-policy data; an upper bound < 1 alone is empty.
+            # rs_threshold = 1 is the band [1, 1]: only exactly on-policy sequences would survive.
             _require(
-                _is_number(self.rs_threshold) and self.rs_threshold >= 1.0,
+                _is_number(self.rs_threshold) and self.rs_threshold > 1.0,
                 "rs_threshold",
-                f"a number >= 1 (upper bound on the ratio) for rs_mode={self.rs_mode}",
+                f"a number > 1 (upper bound on the ratio) for rs_mode={self.rs_mode}",
                 self.rs_threshold,
             )
             _require(
                 self.rs_threshold_lower is None
-                or (_is_number(self.rs_threshold_lower) and 0.0 < self.rs_threshold_lower <= 1.0),
+                or (_is_number(self.rs_threshold_lower) and 0.0 < self.rs_threshold_lower < 1.0),
                 "rs_threshold_lower",
-                f"null (= 1/rs_threshold) or a number in (0, 1] (lower bound on the ratio) for rs_mode={self.rs_mode}",
+                f"null (= 1/rs_threshold) or a number in (0, 1) (lower bound on the ratio) for rs_mode={self.rs_mode}",
                 self.rs_threshold_lower,
             )
         else:
             _require(
-                _is_number(self.rs_threshold) and self.rs_threshold > 0.0,
+                _is_number(self.rs_threshold) and self.rs_threshold >= MIN_DIVERGENCE_THRESHOLD,
                 "rs_threshold",
-                f"a number > 0 (largest divergence kept) for rs_mode={self.rs_mode}",
+                f"a number >= {MIN_DIVERGENCE_THRESHOLD} (largest divergence kept; smaller rejects even on-policy "
+                f"data) for rs_mode={self.rs_mode}",
                 self.rs_threshold,
             )
             _require(
@@ -228,9 +240,9 @@ class RolloutCorrectionConfig:
             )
         if self.rs_token_veto is not None:
             _require(
-                _is_number(self.rs_token_veto) and 0.0 < self.rs_token_veto < 1.0,
+                _is_number(self.rs_token_veto) and 0.0 < self.rs_token_veto <= MAX_TOKEN_VETO,
                 "rs_token_veto",
-                "null or a number in (0, 1)",
+                f"null or a number in (0, {MAX_TOKEN_VETO}] (a veto closer to 1 rejects even on-policy data)",
                 self.rs_token_veto,
             )
             _require(
@@ -342,18 +354,16 @@ def check_against_trainer(cfg: RolloutCorrectionConfig, *, calculate_log_probs: 
 
 
 def check_loss_mode(*, bypass_mode: bool, policy_loss_mode: str) -> None:
-    """Reject actor loss modes that bypass would overwrite, or that need bypass without it.
-
-    Separate from ``check_against_trainer`` because it also guards configs that set verl's
-    ``algorithm.rollout_correction`` directly, without our block.
-    """
-    if bypass_mode and policy_loss_mode not in BYPASS_COMPATIBLE_LOSS_MODES:
+    """Bypass needs the actor's ``bypass_mode`` loss, and that loss needs bypass (the composed config holds both)."""
+    if bypass_mode and policy_loss_mode != BYPASS_LOSS_MODE:
         raise ValueError(
-            f"actor_rollout_ref.actor.policy_loss.loss_mode must be one of {list(BYPASS_COMPATIBLE_LOSS_MODES)} with "
-            f"{BLOCK}.bypass_mode=true, got {policy_loss_mode!r}: bypass replaces the loss mode by 'bypass_mode' "
-            f"(PPO-clip or REINFORCE per {BLOCK}.loss_type), so {policy_loss_mode!r} would be silently dropped"
+            f"actor_rollout_ref.actor.policy_loss.loss_mode must be '{BYPASS_LOSS_MODE}' with "
+            f"{BLOCK}.bypass_mode=true, got {policy_loss_mode!r}: bypass's PPO-clip/REINFORCE, IS and RS run "
+            f"inside the actor's '{BYPASS_LOSS_MODE}' loss, {policy_loss_mode!r} would ignore them. The bypass "
+            f"presets set it; when turning bypass on over another preset, also set "
+            f"actor_rollout_ref.actor.policy_loss.loss_mode={BYPASS_LOSS_MODE}"
         )
-    if not bypass_mode and policy_loss_mode == "bypass_mode":
+    if not bypass_mode and policy_loss_mode == BYPASS_LOSS_MODE:
         raise ValueError(
             f"actor_rollout_ref.actor.policy_loss.loss_mode='bypass_mode' requires {BLOCK}.bypass_mode=true: in "
             "decoupled mode the driver already applies IS weights and rejection, the bypass loss would apply them "

@@ -1,12 +1,10 @@
-"""verl side of rollout correction: config hand-over, lag-split metrics, staleness mask, all-rejected guard.
+"""verl side of rollout correction: lag-split metrics, staleness mask, all-rejected guard.
 
-Three verl 0.9.1 behaviours this module exists for:
+The config hand-over needs no code here: our ``+rollout_correction`` groups write verl's
+``algorithm.rollout_correction`` and, for bypass, the actor's ``policy_loss`` (verl 0.9.1 applies
+bypass to the driver's copy only, after the workers got theirs: verl #4912, #4272) in the composed
+config itself (``verl_partial.hydra_resolvers``). Two verl 0.9.1 behaviours this module exists for:
 
-* Bypass never reaches the actor. ``RayPPOTrainer.fit`` calls ``apply_bypass_mode`` on the driver's
-  config every step, after ``init_workers`` has shipped ``actor_rollout_ref`` to the workers; the
-  worker's ``ppo_loss`` keeps its own ``policy_loss.loss_mode`` (usually ``vanilla``), so bypass
-  REINFORCE / IS / RS settings are silently dropped. ``apply_to_trainer_config`` writes them
-  before the workers exist.
 * The bypass loss raises ``ValueError`` for a micro-batch without a valid token (verl #6485 in its
   0.9 form) and ``token-mean`` divides 0 by 0 for an empty mini-batch; ``guard_all_rejected`` turns
   such a micro-batch into an exact zero-loss contribution and counts it.
@@ -21,7 +19,6 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf, open_dict
 from verl import DataProto
 from verl.trainer.config.algorithm import RolloutCorrectionConfig as VerlRolloutCorrectionConfig
 from verl.trainer.ppo import core_algos
@@ -29,12 +26,7 @@ from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_
 
 from verl_partial.core.correction import (
     BLOCK,
-    DEFAULT_PRESET,
     RolloutCorrectionConfig,
-    check_against_trainer,
-    check_loss_mode,
-    from_mapping,
-    preset,
     to_verl_fields,
 )
 from verl_partial.core.correction_math import mask_stale_tokens, split_by_lag, token_lags
@@ -53,63 +45,6 @@ PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, Any]]]
 def to_verl_config(cfg: RolloutCorrectionConfig) -> VerlRolloutCorrectionConfig:
     """verl's own typed config for ``cfg``."""
     return VerlRolloutCorrectionConfig(**to_verl_fields(cfg))
-
-
-def from_trainer_config(config: DictConfig) -> RolloutCorrectionConfig | None:
-    """Our typed block from the composed trainer config, or None when no ``rollout_correction`` block is set."""
-    block = config.get(BLOCK)
-    if block is None:
-        return None
-    if isinstance(block, DictConfig):
-        return from_mapping(OmegaConf.to_container(block, resolve=True))
-    if isinstance(block, Mapping):
-        return from_mapping(block)
-    raise ValueError(f"{BLOCK} must be a mapping (select a preset with +{BLOCK}=<name>), got {block!r}")
-
-
-def apply_to_trainer_config(config: DictConfig) -> None:
-    """Validate our block and write verl's keys; call on the driver before ``RayPPOTrainer.init_workers``.
-
-    Writes ``algorithm.rollout_correction`` from our block (if any), then, whenever verl's block asks
-    for bypass mode (ours or set directly), does on the shared config what verl's
-    ``apply_bypass_mode`` does too late on the driver's copy: ``actor.policy_loss.loss_mode =
-    "bypass_mode"`` and ``actor.policy_loss.rollout_correction`` = verl's block. The workers receive
-    ``actor_rollout_ref`` by value when they are created, so only edits made before that reach them.
-    """
-    cfg = from_trainer_config(config)
-    if cfg is not None:
-        check_against_trainer(
-            cfg,
-            calculate_log_probs=bool(config.actor_rollout_ref.rollout.get("calculate_log_probs", False)),
-            policy_loss_mode=_policy_loss_mode(config),
-        )
-        fields = to_verl_fields(cfg)
-        current = config.algorithm.get(BLOCK)
-        if current is not None:
-            current_fields = OmegaConf.to_container(current, resolve=True)
-            if current_fields not in (fields, to_verl_fields(preset(DEFAULT_PRESET))):
-                raise ValueError(
-                    f"algorithm.{BLOCK} is set to {current_fields} and {BLOCK} (preset {cfg.preset!r}) asks for "
-                    f"{fields}: set rollout correction in one place only"
-                )
-        with open_dict(config.algorithm):
-            config.algorithm[BLOCK] = fields
-    _propagate_bypass(config)
-
-
-def _propagate_bypass(config: DictConfig) -> None:
-    verl_block = config.algorithm.get(BLOCK)
-    if verl_block is None or not verl_block.get("bypass_mode", False):
-        return
-    check_loss_mode(bypass_mode=True, policy_loss_mode=_policy_loss_mode(config))
-    policy_loss = config.actor_rollout_ref.actor.policy_loss
-    with open_dict(policy_loss):
-        policy_loss.loss_mode = "bypass_mode"
-        policy_loss[BLOCK] = OmegaConf.to_container(verl_block, resolve=True)
-
-
-def _policy_loss_mode(config: DictConfig) -> str:
-    return config.actor_rollout_ref.actor.policy_loss.get("loss_mode", "vanilla")
 
 
 def compute_lag_split_metrics(batch: DataProto, cfg: RolloutCorrectionConfig, current_version: int) -> dict[str, float]:
