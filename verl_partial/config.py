@@ -105,6 +105,15 @@ def check_partial_against_trainer(config: DictConfig) -> None:
     manager = rollout.get("agent", {}).get("agent_loop_manager_class")
     if manager != PARTIAL_MANAGER:
         problems.append(f"actor_rollout_ref.rollout.agent.agent_loop_manager_class must be {PARTIAL_MANAGER}")
+    # The segment path runs single-turn samples; a tool loop's prompts would silently run single-turn.
+    multi_turn = bool(rollout.get("multi_turn", {}).get("enable", False))
+    agent_loop = rollout.get("agent", {}).get("default_agent_loop", "single_turn_agent")
+    if multi_turn or agent_loop != "single_turn_agent":
+        problems.append(
+            "actor_rollout_ref.rollout.agent.default_agent_loop must be single_turn_agent and "
+            "actor_rollout_ref.rollout.multi_turn.enable must be false: partial rollout does not drive multi-turn "
+            f"agent loops yet (got default_agent_loop={agent_loop}, multi_turn.enable={multi_turn})"
+        )
     if problems:
         raise ValueError("partial rollout cannot run with this config:\n  - " + "\n  - ".join(problems))
 
