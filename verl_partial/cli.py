@@ -11,8 +11,12 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
+from datetime import datetime, timezone
 from pathlib import Path
+
+from verl_partial.demo.summary import METRICS_GLOB, Summary, metrics_file, read_steps, run_metric_files
 
 DEFAULT_CACHE = Path(os.environ.get("VERL_PARTIAL_CACHE", Path.home() / ".cache" / "verl-partial")) / "demo"
 
@@ -69,30 +73,110 @@ def _override_key(override: str) -> str:
     return override.partition("=")[0].lstrip("+~")
 
 
+def _run_dir(args: argparse.Namespace) -> Path:
+    """The demo's output folder: ``--output``, else a new timestamped folder beside the cached assets.
+
+    Without ``--resume`` a run is always fresh: a default folder is new, and an ``--output`` already
+    holding a run is refused rather than resumed or overwritten. ``--resume`` continues ``--output``
+    or, without it, the most recent default folder.
+    """
+    runs = Path(args.cache_dir).resolve() / "runs"
+    if args.output is not None:
+        run_dir = Path(args.output).resolve()
+    elif args.resume:
+        previous = sorted(path for path in runs.glob("*") if path.is_dir()) if runs.exists() else []
+        if not previous:
+            raise SystemExit(f"--resume: no previous demo run under {runs}; start one without --resume")
+        run_dir = previous[-1]
+    else:
+        run_dir = runs / datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    holds_run = (run_dir / "checkpoints").exists() or any(run_dir.glob(METRICS_GLOB))
+    if holds_run and not args.resume:
+        raise SystemExit(f"{run_dir} already holds a demo run: pass --resume to continue it, or another --output")
+    if args.resume and not holds_run:
+        raise SystemExit(f"--resume: {run_dir} holds no demo run to continue")
+    return run_dir
+
+
+def _latest_checkpoint(checkpoints: Path) -> Path | None:
+    tracker = checkpoints / "latest_checkpointed_iteration.txt"
+    return checkpoints / f"global_step_{tracker.read_text().strip()}" if tracker.exists() else None
+
+
 def _demo(args: argparse.Namespace) -> int:
     from verl_partial.demo.assets import build_assets, hydra_overrides
 
+    run_dir = _run_dir(args)
+    checkpoints = run_dir / "checkpoints"
+    latest = _latest_checkpoint(checkpoints)
+    if args.resume and latest is not None and int(latest.name.rpartition("_")[2]) >= args.steps:
+        raise SystemExit(
+            f"{latest} is already step {latest.name.rpartition('_')[2]}: pass --steps above it to train on"
+        )
     print(f"building demo assets in {args.cache_dir} (reused when already built)", flush=True)
     assets = build_assets(Path(args.cache_dir))
-    output_dir = Path(args.output_dir).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
     command = demo_command(
         hydra_overrides(assets),
         steps=args.steps,
-        output_dir=output_dir,
+        output_dir=run_dir,
         partial=None if args.no_partial else args.partial,
-        extra=args.overrides,
+        extra=[
+            "trainer.logger=[console,file]",
+            f"trainer.resume_mode={'auto' if args.resume else 'disable'}",
+            *args.overrides,
+        ],
     )
+    log_path = run_dir / "verl.log"
+    metrics_path = metrics_file(run_dir)
+    print(f"demo run folder: {run_dir}", flush=True)
     print("running:\n  " + " \\\n    ".join(shlex.quote(part) for part in command), flush=True)
-    return subprocess.call(command)
+    print(f"verl's output goes to {log_path} (follow it with: tail -f {shlex.quote(str(log_path))})", flush=True)
+    env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_path)}
+    with open(log_path, "a") as log:
+        process = subprocess.Popen(command, cwd=run_dir, env=env, stdout=log, stderr=subprocess.STDOUT)
+        reported: set[int] = set()
+        while process.poll() is None:
+            time.sleep(2.0)
+            _report_progress(metrics_path, reported, args.steps)
+        _report_progress(metrics_path, reported, args.steps)
+    if process.returncode != 0:
+        tail = log_path.read_text(errors="replace").splitlines()[-40:]
+        print("\n".join(["", f"verl exited with {process.returncode}; last lines of {log_path}:", *tail]), flush=True)
+        return process.returncode
+    summary = Summary.from_steps(read_steps(run_metric_files(run_dir)))
+    print("\n" + summary.render(run_dir=run_dir, log_path=log_path, checkpoint=_latest_checkpoint(checkpoints)))
+    return 0
+
+
+def _report_progress(metrics_path: Path, reported: set[int], total: int) -> None:
+    """One line per finished training step, read from verl's metrics file while the run goes on."""
+    for step, data in sorted(read_steps([metrics_path]).items()):
+        if step in reported or "timing_s/step" not in data:
+            continue
+        reported.add(step)
+        generation = data.get("timing_s/gen")
+        print(
+            f"  step {step}/{total} done: {data['timing_s/step']:.1f} s"
+            + (f" ({generation:.1f} s generation)" if generation is not None else ""),
+            flush=True,
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="verl-partial", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
     demo = commands.add_parser("demo", help="run verl's GRPO trainer on the CPU backend with partial rollout")
-    demo.add_argument("--steps", type=int, default=4, help="GRPO steps (default 4)")
+    demo.add_argument("--steps", type=int, default=4, help="GRPO steps in all (default 4)")
     demo.add_argument("--cache-dir", default=str(DEFAULT_CACHE), help="where the model/tokenizer/data are built")
-    demo.add_argument("--output-dir", default="verl_partial_demo", help="checkpoints go here")
+    demo.add_argument(
+        "--output",
+        default=None,
+        help="run folder for checkpoints, metrics and verl's log (default: a new folder under <cache-dir>/runs/)",
+    )
+    demo.add_argument(
+        "--resume", action="store_true", help="continue --output (default: the latest run) from its checkpoint"
+    )
     demo.add_argument("--partial", default="default", help="partial-rollout preset (hydra_configs/partial/)")
     demo.add_argument("--no-partial", action="store_true", help="plain synchronous verl rollout")
     demo.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. +rollout_correction=seq_is_rs")
