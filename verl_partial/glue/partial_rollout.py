@@ -282,8 +282,14 @@ class PartialRolloutLoader:
         result = asyncio.run(run_step(self.pool, backend, self.stream, step=step, version=step - 1))
         extra: dict[str, float] = {}
         if step >= trainer.total_training_steps:
-            extra["partial/untrained_groups_at_end"] = float(len(self.pool.groups))
-            logger.warning("training ends with %d partial-rollout groups in flight, untrained", len(self.pool.groups))
+            # Prompts already drawn from verl's dataloader but not yet admitted are as untrained as in-flight groups.
+            held_back = len(self.stream.pending)
+            extra["partial/untrained_groups_at_end"] = float(len(self.pool.groups) + held_back)
+            logger.warning(
+                "training ends with %d partial-rollout groups in flight and %d drawn prompts not started, untrained",
+                len(self.pool.groups),
+                held_back,
+            )
         manager.prepare(result, step - 1, extra)
         self._write_ledger(step)
         self._dump(step, result.trained)
