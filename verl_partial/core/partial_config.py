@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 STALENESS_POLICIES = ("restart", "drop", "keep")
+SCHEDULES = ("fifo", "longest_first")
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,10 @@ class PartialConfig:
             cancel, its answer and resume are each bounded by it).
         max_calls_per_server: most outstanding generate calls per server; keep it below the server actor's
             Ray ``max_concurrency`` (1000 in verl) so abort/resume/sleep always find a free slot.
+        schedule: launch order of a step's samples. ``fifo``: oldest group first. ``longest_first``: longest
+            expected answer first, estimated from the group's finished siblings or the prompt's earlier epochs
+            (Seer, RollPacker; :mod:`verl_partial.core.on_policy`); it cuts the tail when servers queue
+            requests, the lever the ``on_policy`` preset (``max_staleness=0``) relies on.
         ledger_path: optional JSON-lines audit log of every prompt admitted, trained, dropped or
             failed, one line per event; makes "nothing lost, nothing trained twice" checkable.
         dump_dir: optional folder receiving, per step, every trained sample's prompt and response
@@ -66,6 +71,7 @@ class PartialConfig:
     request_timeout_s: float = 600.0
     abort_grace_s: float = 5.0
     max_calls_per_server: int = 512
+    schedule: str = "fifo"
     ledger_path: str | None = None
     dump_dir: str | None = None
 
@@ -86,6 +92,7 @@ class PartialConfig:
         _require(
             self.max_calls_per_server >= 1, "partial.max_calls_per_server", "an integer >= 1", self.max_calls_per_server
         )
+        _require(self.schedule in SCHEDULES, "partial.schedule", f"one of {list(SCHEDULES)}", self.schedule)
 
     def max_new_tokens(self, generated: int, generated_this_step: int, response_length: int) -> int:
         """Tokens the next generate call of a sample may produce; 0 means it must wait for the next step."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -166,7 +167,15 @@ class Counters:
 class RolloutPool(Generic[P]):
     """In-flight groups with their parked samples; the scheduling state machine of partial rollout."""
 
-    def __init__(self, config: PartialConfig, *, group_size: int, batch_groups: int, response_length: int) -> None:
+    def __init__(
+        self,
+        config: PartialConfig,
+        *,
+        group_size: int,
+        batch_groups: int,
+        response_length: int,
+        priority: Callable[[GroupState[P], SampleState], float] | None = None,
+    ) -> None:
         if group_size < 1 or batch_groups < 1 or response_length < 1:
             raise ValueError(
                 f"group_size ({group_size}), batch_groups ({batch_groups}) and response_length "
@@ -176,6 +185,13 @@ class RolloutPool(Generic[P]):
         self.group_size = group_size
         self.batch_groups = batch_groups
         self.response_length = response_length
+        if config.schedule == "longest_first" and priority is None:
+            raise ValueError(
+                "partial.schedule=longest_first needs a launch priority: "
+                "RolloutPool(..., priority=verl_partial.core.on_policy.LengthEstimator(...).priority)"
+            )
+        # Launch order (``partial.schedule``): a sort key, ascending; None keeps oldest group first.
+        self.priority = priority
         self.groups: dict[int, GroupState[P]] = {}
         self.next_group_id = 0
         self.version = 0
@@ -261,12 +277,16 @@ class RolloutPool(Generic[P]):
         self.events.append((reason, group.key))
 
     def runnable(self) -> list[SampleRef]:
-        """Samples that may start a segment now, oldest group first (old groups finish first, lag least)."""
+        """Samples that may start a segment now, oldest group first (old groups finish first, lag least), or in
+        ``priority`` order when one is set (e.g. longest expected first, :mod:`verl_partial.core.on_policy`)."""
         refs = []
         for group in sorted(self.groups.values(), key=lambda g: g.group_id):
             for index, sample in enumerate(group.samples):
                 if not sample.finished and not sample.in_flight and self._budget(sample) > 0:
                     refs.append(SampleRef(group.group_id, index))
+        if self.priority is not None:
+            priority, groups = self.priority, self.groups
+            refs.sort(key=lambda ref: priority(groups[ref.group_id], groups[ref.group_id].samples[ref.index]))
         return refs
 
     def _budget(self, sample: SampleState) -> int:
