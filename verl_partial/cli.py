@@ -17,6 +17,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from verl_partial.demo.summary import METRICS_GLOB, Summary, metrics_file, read_steps, run_metric_files
+from verl_partial.sim.cli import add_arguments as add_simulate_arguments
+from verl_partial.sim.cli import run as simulate
 
 DEFAULT_CACHE = Path(os.environ.get("VERL_PARTIAL_CACHE", Path.home() / ".cache" / "verl-partial")) / "demo"
 
@@ -180,9 +182,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--partial", default="default", help="partial-rollout preset (hydra_configs/partial/)")
     demo.add_argument("--no-partial", action="store_true", help="plain synchronous verl rollout")
     demo.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. +rollout_correction=seq_is_rs")
+    add_simulate_arguments(
+        commands.add_parser(
+            "simulate", help="project partial rollout onto your GPUs and workload (docs/gpu-projection.md)"
+        )
+    )
     args = parser.parse_args(argv)
     if args.command == "demo":
         return _demo(args)
+    if args.command == "simulate":
+        simulate(args)
+        return 0
     raise AssertionError(args.command)
 
 

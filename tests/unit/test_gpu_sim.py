@@ -1,0 +1,216 @@
+"""The GPU simulator's engine model against hand-computed figures (docs/gpu-projection.md); milliseconds each."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from verl_partial.core.finish import Finish
+from verl_partial.sim.cli import main
+from verl_partial.sim.clock import run_virtual
+from verl_partial.sim.engine import ServerSpec, SimServer, lognormal_sigma
+from verl_partial.sim.hardware import H20, H100_SXM, QWEN25_7B, QWEN25_32B, Efficiency, GpuSpec
+from verl_partial.sim.run import mode_configs, simulate
+from verl_partial.sim.workload import Workload
+
+
+def test_kv_bytes_per_token_from_config_json():
+    # 2 (K and V) x layers x kv_heads x head_dim x 2 bytes (bf16)
+    assert QWEN25_7B.kv_bytes_per_token == 2 * 28 * 4 * 128 * 2 == 57_344
+    assert QWEN25_32B.kv_bytes_per_token == 2 * 64 * 8 * 128 * 2 == 262_144
+
+
+def test_decode_step_is_memory_bound_at_one_request_on_h100():
+    spec = ServerSpec(H100_SXM, QWEN25_7B)
+    # (15.22e9 weight bytes + 57,344 x 1,000 KV bytes) / (3.35e12 B/s x 0.70) = 6.5148 ms;
+    # compute is (1.522e10 + 4.014e8) FLOPs / (989e12 x 0.50) = 0.032 ms.
+    assert spec.step_seconds(1, 1_000) == pytest.approx(15.277344e9 / 2.345e12, rel=1e-9)
+    assert spec.step_seconds(1, 1_000) == pytest.approx(6.5148e-3, rel=1e-4)
+
+
+def test_decode_step_is_compute_bound_at_256_requests_on_h20():
+    spec = ServerSpec(H20, QWEN25_7B)
+    # memory: (15.22e9 + 57,344 x 256,000) / (4.0e12 x 0.7) = 10.68 ms
+    # compute: (2 x 7.61e9 x 256 + 4 x 28 x 28 x 128 x 256,000) / (148e12 x 0.5) = 54.04 ms
+    expected = (2 * 7.61e9 * 256 + 4 * 28 * 28 * 128 * 256_000) / (148e12 * 0.5)
+    assert spec.step_seconds(256, 256_000) == pytest.approx(expected, rel=1e-9)
+    assert expected == pytest.approx(54.04e-3, rel=1e-3)
+
+
+def test_tensor_parallel_divides_a_step_across_gpus():
+    one, two = ServerSpec(H100_SXM, QWEN25_32B, tp=2), ServerSpec(H100_SXM, QWEN25_32B, tp=4)
+    assert two.step_seconds(8, 8_000) == pytest.approx(one.step_seconds(8, 8_000) / 2)
+
+
+def test_kv_capacity_is_usable_hbm_minus_weights_over_bytes_per_token():
+    # (80e9 x 0.80 - 3e9 reserve) - 15.22e9 weights = 45.78e9 bytes / 57,344 = 798,339.8 -> 798,339 tokens
+    assert ServerSpec(H100_SXM, QWEN25_7B).kv_capacity_tokens == 798_339
+    # 32B on two GPUs: 2 x (64e9 - 3e9) - 65.0e9 = 57.0e9 / 262,144 = 217,437 tokens
+    assert ServerSpec(H100_SXM, QWEN25_32B, tp=2).kv_capacity_tokens == 217_437
+    with pytest.raises(ValueError, match="does not fit"):
+        ServerSpec(H100_SXM, QWEN25_32B, tp=1)
+
+
+def test_throughput_limit_uses_full_concurrency():
+    spec = ServerSpec(H100_SXM, QWEN25_7B, max_num_seqs=256)
+    assert spec.throughput_limit(2_000) == pytest.approx(256 / spec.step_seconds(256, 512_000))
+    # The KV cache, not max_num_seqs, caps a 32B server at long contexts: 217,437 // 20,000 = 10 requests.
+    big = ServerSpec(H100_SXM, QWEN25_32B, tp=2)
+    assert big.throughput_limit(20_000) == pytest.approx(10 / big.step_seconds(10, 200_000))
+
+
+def _serve(spec: ServerSpec, requests: list[tuple[int, int]], max_new: int = 10_000, prompt_len: int = 10):
+    """Submit (prefix, eos_after) requests of one prompt at t=0; return (outcomes, virtual seconds, server)."""
+
+    async def main():
+        server = SimServer(spec, "s")
+        futures = [
+            server.submit("p", f"p/{i}", prompt_len, prefix, eos, max_new) for i, (prefix, eos) in enumerate(requests)
+        ]
+        outcomes = await asyncio.gather(*futures)
+        return outcomes, asyncio.get_running_loop().time(), server
+
+    return run_virtual(main())
+
+
+def test_one_request_costs_its_prefill_plus_the_sum_of_its_decode_steps():
+    spec = ServerSpec(H100_SXM, QWEN25_7B)
+    outcomes, seconds, server = _serve(spec, [(100, 50)])
+    assert outcomes[0].tokens == 50 and outcomes[0].finish is Finish.EOS
+    prefill = spec.step_seconds(0, 0, 100, 100 * 50)  # one chunk of 100 tokens samples the first token
+    decode = sum(spec.step_seconds(1, 101 + k) for k in range(49))
+    assert seconds == pytest.approx(prefill + decode, rel=1e-9)
+    assert server.stats.tokens == 50 and server.stats.decode_steps == 49
+
+
+def test_continuous_batching_refills_a_finished_slot_at_once():
+    spec = ServerSpec(H100_SXM, QWEN25_7B, max_num_seqs=2)
+    outcomes, seconds, _ = _serve(spec, [(10, 5), (10, 100), (10, 5)])
+    assert [o.tokens for o in outcomes] == [5, 100, 5]
+    # The third request runs beside the long one once the first ends: the whole is ~ the long one alone.
+    _, alone, _ = _serve(spec, [(10, 100)])
+    assert seconds < alone * 1.2
+
+
+def test_kv_capacity_caps_concurrency_and_preempts_the_newest():
+    tiny = GpuSpec("tiny", hbm_bytes=20e9, hbm_bandwidth=1e12, bf16_flops=1e15)
+    spec = ServerSpec(tiny, QWEN25_7B, gpu_memory_utilization=1.0, activation_reserve_bytes=0.0)
+    capacity = spec.kv_capacity_tokens  # (20e9 - 15.22e9) / 57,344 = 83,356 tokens
+    assert capacity == 83_356
+    # Four requests that each grow to 30k tokens cannot all hold their KV: someone waits or is preempted.
+    outcomes, seconds, server = _serve(spec, [(1_000, 29_000)] * 4, max_new=30_000)
+    assert all(o.tokens == 29_000 and o.finish is Finish.EOS for o in outcomes)
+    assert server.stats.preemptions >= 1
+    roomy = ServerSpec(tiny, QWEN25_7B, gpu_memory_utilization=1.0, activation_reserve_bytes=0.0, max_num_seqs=256)
+    assert roomy.kv_capacity_tokens == capacity
+    # Same work on an engine whose cache holds everything (bigger HBM, same bandwidth): faster.
+    big = ServerSpec(
+        GpuSpec("big", 40e9, 1e12, 1e15), QWEN25_7B, gpu_memory_utilization=1.0, activation_reserve_bytes=0
+    )
+    _, unconstrained, big_server = _serve(big, [(1_000, 29_000)] * 4, max_new=30_000)
+    assert big_server.stats.preemptions == 0 and unconstrained < seconds
+
+
+def test_prefix_cache_survives_abort_but_not_a_weight_update():
+    spec = ServerSpec(H100_SXM, QWEN25_7B)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        server = SimServer(spec, "s")
+        first = server.submit("g", "g/0", 100, 100, 1_000, 1_000)
+        await asyncio.sleep(0.5)
+        server.abort_all()
+        parked = await first
+        assert parked.finish is Finish.ABORTED and 0 < parked.tokens < 1_000
+        server.resume()
+        # Resumed on the same weights: only the last token is recomputed.
+        before = server.stats.prefill_tokens
+        again = server.submit("g", "g/0", 100, 100 + parked.tokens, 1_000 - parked.tokens, 1_000)
+        await asyncio.sleep(0.01)
+        assert server.stats.prefill_tokens - before == 1
+        server.abort_all()
+        second = await again
+        server.resume()
+        server.update_weights()
+        # After a weight update the cache is gone: the whole prefix is prefilled again.
+        held = 100 + parked.tokens + second.tokens
+        before = server.stats.prefill_tokens
+        third = server.submit("g", "g/0", 100, held, 5, 1_000)
+        assert (await third).tokens == 5
+        assert server.stats.prefill_tokens - before == held
+        return loop.time()
+
+    run_virtual(main())
+
+
+def test_siblings_share_their_prompt_prefill():
+    spec = ServerSpec(H100_SXM, QWEN25_7B)
+    _, _, server = _serve(spec, [(500, 3)] * 8, prompt_len=500)
+    assert server.stats.prefill_tokens == 500 + 7 * 1  # first sibling prefills, the others recompute one token
+
+
+def test_virtual_clock_never_sleeps():
+    async def main():
+        await asyncio.sleep(3_600)
+        return asyncio.get_running_loop().time()
+
+    started = time.perf_counter()
+    assert run_virtual(main()) == 3_600
+    assert time.perf_counter() - started < 1.0
+
+
+def test_workload_lengths_have_the_requested_tail():
+    workload = Workload(batch=8, n=16, p50=1_000, p99_over_p50=8, response_length=10**6, prompts=600)
+    lengths = np.array([workload.length(p, i, 0) for p in range(600) for i in range(16)])
+    p50, p99 = np.percentile(lengths, [50, 99])
+    assert p50 == pytest.approx(1_000, rel=0.05)
+    assert p99 / p50 == pytest.approx(8, rel=0.15)
+    assert lognormal_sigma(8) == pytest.approx(0.8939, rel=1e-3)
+    # A restarted sample is a new answer; the same attempt is the same answer.
+    assert workload.length(3, 1, 0) == workload.length(3, 1, 0) != workload.length(3, 1, 1)
+
+
+def test_efficiency_factors_are_the_documented_ones():
+    assert Efficiency() == Efficiency(bandwidth=0.70, compute=0.50)
+
+
+def test_real_scheduler_on_the_gpu_model_cuts_the_tail_and_keeps_lengths_unbiased():
+    spec = ServerSpec(H100_SXM, QWEN25_7B)
+    load = Workload(batch=8, n=4, p50=200, p99_over_p50=20, response_length=8_192, prompts=64)
+    configs = mode_configs(load.batch)
+    sync = simulate(configs["sync"], load, spec, servers=2, steps=6)
+    keep = simulate(configs["keep"], load, spec, servers=2, steps=6).steady(1)
+    assert sum(sync.tokens_discarded) == 0 and max(sync.staleness_max) == 0
+    assert np.mean(keep.seconds) < np.mean(sync.seconds)
+    assert sum(keep.tokens_discarded) == 0 and max(keep.staleness_max) >= 1
+    assert all(len(lengths) == 8 * 4 for lengths in keep.trained_lengths)
+
+
+def test_simulate_command_prints_one_row_per_mode(capsys):
+    main(
+        [
+            "--batch",
+            "4",
+            "--n",
+            "2",
+            "--p50",
+            "64",
+            "--gpus",
+            "1",
+            "--steps",
+            "2",
+            "--warmup",
+            "0",
+            "--modes",
+            "sync,partial,on_policy",
+            "--response-length",
+            "1024",
+            "--prompts",
+            "8",
+        ]
+    )
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [row.split(" | ")[0] for row in rows] == ["| mode", "| sync", "| partial", "| on_policy"]

@@ -1,0 +1,106 @@
+"""The scheduler's backend protocol, served by simulated vLLM servers in virtual time.
+
+``run_step`` drives this exactly as it drives the glue's Ray workers: waves of calls routed to named servers,
+``abort_all`` at the step end (gates close; running calls return ABORTED with their tokens), ``cancel``,
+``resume``. The answer lengths come from the workload; the token ids and log-probs are zeros (timing does not
+depend on them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import numpy as np
+
+from verl_partial.core.pool import GroupState, SegmentRequest, SegmentResult
+from verl_partial.sim.engine import EngineOutcome, ServerSpec, SimServer
+from verl_partial.sim.workload import Workload
+
+
+class SimBackend:
+    """``servers`` simulated vLLM servers; ``update_weights`` between steps wipes their prefix caches."""
+
+    def __init__(self, spec: ServerSpec, servers: int, workload: Workload) -> None:
+        self.spec = spec
+        self.workload = workload
+        self.engines = {f"sim{i}": SimServer(spec, f"sim{i}") for i in range(servers)}
+        self.version = 0
+        # Per sample: (attempt, tokens it held last time we saw it). A prefix shorter than what it held means
+        # the pool restarted it from its prompt: a new answer is drawn.
+        self._attempts: dict[tuple[str, int], tuple[int, int]] = {}
+        self._calls: dict[str, tuple[SimServer, asyncio.Future[EngineOutcome]]] = {}
+
+    @property
+    def servers(self) -> Sequence[str]:
+        return list(self.engines)
+
+    def answer_length(self, key: str, prompt: int, index: int, prefix_len: int) -> int:
+        attempt, held = self._attempts.get((key, index), (0, 0))
+        if prefix_len < held:
+            attempt += 1
+        self._attempts[(key, index)] = (attempt, prefix_len)
+        return self.workload.length(prompt, index, attempt)
+
+    def launch(self, wave: list[tuple[GroupState[int], SegmentRequest]]) -> list[asyncio.Future[SegmentResult]]:
+        loop = asyncio.get_running_loop()
+        futures = []
+        for group, request in wave:
+            engine = self.engines[request.server]
+            index = request.ref.index
+            length = self.answer_length(group.key, group.prompt, index, request.prefix_len)
+            outcome = engine.submit(
+                prompt_key=group.key,
+                sample_key=f"{group.key}/{index}",
+                prompt_len=self.workload.prompt_len,
+                prefix=self.workload.prompt_len + request.prefix_len,
+                eos_after=length - request.prefix_len,
+                max_new=request.max_new_tokens,
+            )
+            self._calls[request.request_id] = (engine, outcome)
+            result: asyncio.Future[SegmentResult] = loop.create_future()
+            outcome.add_done_callback(lambda done, r=request, f=result, k=group.key: self._answer(k, r, done, f))
+            futures.append(result)
+        return futures
+
+    def _answer(
+        self,
+        key: str,
+        request: SegmentRequest,
+        done: asyncio.Future[EngineOutcome],
+        result: asyncio.Future[SegmentResult],
+    ) -> None:
+        self._calls.pop(request.request_id, None)
+        outcome = done.result()
+        attempt, _ = self._attempts[(key, request.ref.index)]
+        self._attempts[(key, request.ref.index)] = (attempt, request.prefix_len + outcome.tokens)
+        if not result.done():
+            result.set_result(
+                SegmentResult(
+                    new_ids=np.zeros(outcome.tokens, dtype=np.int32),
+                    new_log_probs=np.zeros(outcome.tokens, dtype=np.float32),
+                    finish=outcome.finish,
+                    server=request.server,
+                    server_version=self.version,
+                )
+            )
+
+    async def cancel(self, requests: list[SegmentRequest]) -> None:
+        for request in requests:
+            call = self._calls.get(request.request_id)
+            if call is not None:
+                engine, outcome = call
+                engine.cancel(outcome)
+
+    async def abort_all(self) -> None:
+        for engine in self.engines.values():
+            engine.abort_all()
+
+    async def resume(self) -> None:
+        for engine in self.engines.values():
+            engine.resume()
+
+    def update_weights(self, version: int) -> None:
+        self.version = version
+        for engine in self.engines.values():
+            engine.update_weights()

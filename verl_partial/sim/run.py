@@ -1,0 +1,155 @@
+"""Run the real scheduler (``run_step`` + ``RolloutPool``, unchanged) against simulated GPU servers.
+
+One call simulates ``steps`` rollout phases of one mode and returns what the projection tables report: rollout
+seconds per step, trained and thrown-away tokens, staleness, trained response lengths (for the length-bias KS
+distance) and how many steps each trained group waited. Training time and weight-sync time are not modelled:
+the figures are the rollout phase only, like the published "gen" timings they are compared with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from verl_partial.core.on_policy import LengthEstimator
+from verl_partial.core.partial_config import PartialConfig
+from verl_partial.core.pool import RolloutPool
+from verl_partial.core.scheduler import run_step
+from verl_partial.sim.backend import SimBackend
+from verl_partial.sim.clock import run_virtual
+from verl_partial.sim.engine import ServerSpec
+from verl_partial.sim.workload import PromptCycle, Workload
+
+# The simulated engine never hangs; stall detection (tested elsewhere) must not fire on a long answer.
+_NO_STALLS = {"request_timeout_s": 1e9}
+
+
+def mode_configs(batch: int) -> dict[str, PartialConfig]:
+    """The modes the projection compares, as the presets in hydra_configs/partial/ define them.
+
+    ``sync``: no over-provisioning, so a step waits for its slowest sample and nothing is parked -- verl's
+    synchronous rollout. ``partial``: the ``default`` preset. ``keep``: default with ``staleness_policy=keep``.
+    ``kimi``: the ``kimi`` preset (per-step token budget). ``on_policy``: the ``on_policy`` preset (no token
+    from an older policy; longest expected answers start first). ``on_policy_over``: on-policy with
+    over-provisioning (unfinished samples are restarted on the new weights, their tokens thrown away).
+    """
+    return {
+        "sync": PartialConfig(extra_groups=0, **_NO_STALLS),
+        "partial": PartialConfig(**_NO_STALLS),
+        "keep": PartialConfig(staleness_policy="keep", **_NO_STALLS),
+        "kimi": PartialConfig(
+            extra_groups=8, step_token_budget=1024, max_staleness=8, staleness_policy="keep", **_NO_STALLS
+        ),
+        "on_policy": PartialConfig(extra_groups=0, max_staleness=0, schedule="longest_first", **_NO_STALLS),
+        "on_policy_over": PartialConfig(
+            extra_groups=batch // 4, max_staleness=0, schedule="longest_first", **_NO_STALLS
+        ),
+    }
+
+
+@dataclass
+class ModeRun:
+    """Per-step records of one simulated run."""
+
+    seconds: list[float] = field(default_factory=list)
+    tokens_generated: list[float] = field(default_factory=list)
+    tokens_trained: list[float] = field(default_factory=list)
+    tokens_discarded: list[float] = field(default_factory=list)
+    staleness_mean: list[float] = field(default_factory=list)
+    staleness_max: list[float] = field(default_factory=list)
+    trained_lengths: list[np.ndarray] = field(default_factory=list)
+    group_waits: list[np.ndarray] = field(default_factory=list)
+    prefill_tokens: int = 0
+    preemptions: int = 0
+
+    def steady(self, warmup: int) -> ModeRun:
+        """The records after the first ``warmup`` steps (the pool starts empty)."""
+        cut = {f.name: getattr(self, f.name)[warmup:] for f in dataclasses.fields(self) if f.name[0] != "p"}
+        return ModeRun(**cut, prefill_tokens=self.prefill_tokens, preemptions=self.preemptions)
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.concatenate(self.trained_lengths) if self.trained_lengths else np.zeros(0)
+
+    @property
+    def waits(self) -> np.ndarray:
+        return np.concatenate(self.group_waits) if self.group_waits else np.zeros(0)
+
+
+def simulate(config: PartialConfig, workload: Workload, spec: ServerSpec, servers: int, steps: int) -> ModeRun:
+    """``steps`` rollout phases of ``config`` on ``servers`` simulated servers, in virtual time.
+
+    ``partial.schedule=longest_first`` orders launches with a :class:`LengthEstimator` over the prompts' history
+    (prompt identity = its index in the workload's data set) and their finished siblings.
+    """
+    estimator = LengthEstimator(identity=lambda group: group.prompt) if config.schedule == "longest_first" else None
+
+    async def main() -> ModeRun:
+        pool: RolloutPool[int] = RolloutPool(
+            config,
+            group_size=workload.n,
+            batch_groups=workload.batch,
+            response_length=workload.response_length,
+            priority=estimator.priority if estimator else None,
+        )
+        backend = SimBackend(spec, servers, workload)
+        source = PromptCycle(workload)
+        record = ModeRun()
+        for step in range(steps):
+            source.step = step
+            result = await run_step(pool, backend, source, step=step, version=step, server_version=step)
+            backend.update_weights(step + 1)
+            if estimator is not None:
+                estimator.record(result.trained)
+            metrics = result.metrics
+            record.seconds.append(result.seconds)
+            record.tokens_generated.append(metrics["partial/tokens_generated"])
+            record.tokens_trained.append(metrics["partial/tokens_trained"])
+            record.tokens_discarded.append(metrics["partial/tokens_discarded"])
+            record.staleness_mean.append(metrics["partial/staleness/mean"])
+            record.staleness_max.append(metrics["partial/staleness/max"])
+            record.trained_lengths.append(
+                np.array([len(sample.token_ids) for group in result.trained for sample in group.samples])
+            )
+            record.group_waits.append(np.array([step - source.admitted_at[group.key] for group in result.trained]))
+        record.prefill_tokens = sum(e.stats.prefill_tokens for e in backend.engines.values())
+        record.preemptions = sum(e.stats.preemptions for e in backend.engines.values())
+        return record
+
+    return run_virtual(main())
+
+
+def ks_distance(a: np.ndarray, b: np.ndarray) -> float:
+    """Two-sample Kolmogorov-Smirnov statistic: the largest gap between the two empirical CDFs."""
+    a, b = np.sort(a), np.sort(b)
+    grid = np.concatenate([a, b])
+    return float(
+        np.max(np.abs(np.searchsorted(a, grid, "right") / len(a) - np.searchsorted(b, grid, "right") / len(b)))
+    )
+
+
+def throughput_limit(spec: ServerSpec, servers: int, workload: Workload) -> float:
+    """Engine-throughput limit of the whole rollout: decode tokens/s of every server at full concurrency."""
+    return servers * spec.throughput_limit(workload.mean_running_context())
+
+
+def summarize(run: ModeRun, sync: ModeRun, workload: Workload, limit: float) -> dict[str, float]:
+    """One projection-table row: ``run`` and ``sync`` are steady-state records of the same workload."""
+    seconds = float(np.mean(run.seconds))
+    trained = float(np.mean(run.tokens_trained))
+    return {
+        "rollout_s": seconds,
+        "rollout_s_std": float(np.std(run.seconds)),
+        "speedup": float(np.mean(sync.seconds)) / seconds,
+        "trained_tokens_per_s": trained / seconds,
+        "share_of_limit": trained / seconds / limit,
+        "staleness_mean": float(np.mean(run.staleness_mean)),
+        "staleness_max": float(np.max(run.staleness_max)),
+        "discarded_per_step": float(np.mean(run.tokens_discarded)),
+        "discarded_fraction": float(np.sum(run.tokens_discarded) / max(1.0, np.sum(run.tokens_generated))),
+        "ks_vs_sync": ks_distance(run.lengths, workload.reference_lengths()),
+        "max_group_wait": float(run.waits.max()) if run.waits.size else 0.0,
+        "mean_trained_length": float(run.lengths.mean()) if run.lengths.size else 0.0,
+    }
