@@ -164,13 +164,14 @@ def test_virtual_clock_never_sleeps():
 
 def test_workload_lengths_have_the_requested_tail():
     workload = Workload(batch=8, n=16, p50=1_000, p99_over_p50=8, response_length=10**6, prompts=600)
-    lengths = np.array([workload.length(p, i, 0) for p in range(600) for i in range(16)])
+    lengths = np.array([workload.length(p, f"p{p}", i, 0) for p in range(600) for i in range(16)])
     p50, p99 = np.percentile(lengths, [50, 99])
     assert p50 == pytest.approx(1_000, rel=0.05)
     assert p99 / p50 == pytest.approx(8, rel=0.15)
     assert lognormal_sigma(8) == pytest.approx(0.8939, rel=1e-3)
-    # A restarted sample is a new answer; the same attempt is the same answer.
-    assert workload.length(3, 1, 0) == workload.length(3, 1, 0) != workload.length(3, 1, 1)
+    # A restarted sample, or the prompt in a later epoch, is a new answer; the same attempt is the same answer.
+    assert workload.length(3, "p3@e0", 1, 0) == workload.length(3, "p3@e0", 1, 0) != workload.length(3, "p3@e0", 1, 1)
+    assert workload.length(3, "p3@e0", 1, 0) != workload.length(3, "p3@e1", 1, 0)
 
 
 def test_efficiency_factors_are_the_documented_ones():

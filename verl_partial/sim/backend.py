@@ -40,7 +40,7 @@ class SimBackend:
         if prefix_len < held:
             attempt += 1
         self._attempts[(key, index)] = (attempt, prefix_len)
-        return self.workload.length(prompt, index, attempt)
+        return self.workload.length(prompt, key, index, attempt)
 
     def launch(self, wave: list[tuple[GroupState[int], SegmentRequest]]) -> list[asyncio.Future[SegmentResult]]:
         loop = asyncio.get_running_loop()

@@ -3,7 +3,7 @@
 Lengths are lognormal with a given median and p99/p50 ratio, capped at ``response_length``. Part of
 the log-variance belongs to the prompt (hard prompts have long answers in every sample and every
 epoch, which is what Seer's and RollPacker's length estimates rely on), the rest to the sample.
-Every length is a pure function of (seed, prompt, sample index, attempt), so two schedulers see the
+Every length is a pure function of (seed, prompt, admission, sample index, attempt), so two schedulers see the
 same answers, and a sample restarted from scratch draws a fresh answer (it is a new sample).
 """
 
@@ -57,10 +57,14 @@ class Workload:
         sd = self.sigma * math.sqrt(self.prompt_share)
         return float(np.random.default_rng(_seed(self.seed, "prompt", prompt)).normal(0.0, sd))
 
-    def length(self, prompt: int, index: int, attempt: int) -> int:
-        """Tokens until EOS of one answer (may exceed ``response_length``: then it is cut there)."""
+    def length(self, prompt: int, key: str, index: int, attempt: int) -> int:
+        """Tokens until EOS of one answer (may exceed ``response_length``: then it is cut there).
+
+        ``key`` is the group's admission key: the same prompt in a later epoch gets new answers around the same
+        prompt difficulty.
+        """
         sd = self.sigma * math.sqrt(1.0 - self.prompt_share)
-        noise = float(np.random.default_rng(_seed(self.seed, "sample", prompt, index, attempt)).normal(0.0, sd))
+        noise = float(np.random.default_rng(_seed(self.seed, "sample", key, index, attempt)).normal(0.0, sd))
         return max(1, math.ceil(self.p50 * math.exp(self.prompt_offset(prompt) + noise)))
 
     def reference_lengths(self, samples: int = 200_000) -> np.ndarray:
