@@ -20,6 +20,7 @@ applied to map rollout time to the trainer's wait: gen = max(0, T_rollout - upda
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -38,6 +39,7 @@ PUBLISHED_UPDATE = {0.0: 98.77, 0.1: 109.12, 0.3: 103.22, 0.5: 113.16}
 PUBLISHED_SYNC_128 = 177.85
 SCALE = 4  # simulate 1/SCALE of the prompts on 1/SCALE of the servers
 SPEC = ServerSpec(H20, QWEN25_7B, tp=4, max_num_seqs=1024, max_num_batched_tokens=2048 + 28 * 1024)
+SPECS = {"validated": SPEC}
 
 
 def workload(p50: float, tail: float) -> Workload:
@@ -47,7 +49,7 @@ def workload(p50: float, tail: float) -> Workload:
 
 
 def rollout_seconds(config: PartialConfig, load: Workload, servers: int, steps: int, warmup: int) -> float:
-    run = simulate(config, load, SPEC, servers // SCALE, steps)
+    run = simulate(config, load, SPECS["run"], servers // SCALE, steps)
     return float(np.mean(run.seconds[warmup:]))
 
 
@@ -55,11 +57,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="benchmarks/results/sim_validation.json")
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--tails", default="8,20", help="p99/p50 brackets")
+    parser.add_argument(
+        "--step-overhead-ms",
+        type=float,
+        default=0.0,
+        help="what-if fixed cost per engine step (0 = the validated model)",
+    )
     args = parser.parse_args()
+    SPECS["run"] = dataclasses.replace(SPEC, step_overhead_s=args.step_overhead_ms / 1e3)
     started = time.time()
     sync = PartialConfig(extra_groups=0, request_timeout_s=1e9)
-    report: dict[str, object] = {"scale": SCALE, "kv_capacity_tokens": SPEC.kv_capacity_tokens, "tails": {}}
-    for tail in (8.0, 20.0):
+    report: dict[str, object] = {
+        "scale": SCALE,
+        "kv_capacity_tokens": SPEC.kv_capacity_tokens,
+        "step_overhead_ms": args.step_overhead_ms,
+        "tails": {},
+    }
+    for tail in (float(t) for t in args.tails.split(",")):
         lo, hi = 200.0, 20000.0  # bisection on the median (log scale), the one fitted number
         for _ in range(7):
             mid = math.sqrt(lo * hi)

@@ -40,6 +40,12 @@ def test_decode_step_is_compute_bound_at_256_requests_on_h20():
     assert expected == pytest.approx(54.04e-3, rel=1e-3)
 
 
+def test_step_overhead_adds_a_fixed_cost_to_every_step():
+    base, slow = ServerSpec(H100_SXM, QWEN25_7B), ServerSpec(H100_SXM, QWEN25_7B, step_overhead_s=0.003)
+    assert slow.step_seconds(4, 4_000) == pytest.approx(base.step_seconds(4, 4_000) + 0.003)
+    assert slow.decode_seconds(4, 4_000, 10)[-1] == pytest.approx(base.decode_seconds(4, 4_000, 10)[-1] + 0.03)
+
+
 def test_tensor_parallel_divides_a_step_across_gpus():
     one, two = ServerSpec(H100_SXM, QWEN25_32B, tp=2), ServerSpec(H100_SXM, QWEN25_32B, tp=4)
     assert two.step_seconds(8, 8_000) == pytest.approx(one.step_seconds(8, 8_000) / 2)

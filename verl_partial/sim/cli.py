@@ -46,6 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", type=int, default=4096, help="prompts in the data set (epochs cycle over it)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.80)
     parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument(
+        "--step-overhead-ms",
+        type=float,
+        default=0.0,
+        help="what-if: fixed cost per engine step (default 0, as validated)",
+    )
     parser.add_argument("--steps", type=int, default=10, help="simulated steps per mode")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the averages")
     parser.add_argument(
@@ -65,6 +71,7 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         tp=args.tp,
         gpu_memory_utilization=args.gpu_memory_utilization,
         max_num_seqs=args.max_num_seqs,
+        step_overhead_s=args.step_overhead_ms / 1e3,
     )
     workload = Workload(
         batch=args.batch,

@@ -45,6 +45,8 @@ class ServerSpec:
     Defaults are verl 0.9.1's rollout defaults (``max_num_seqs=256``, ``max_num_batched_tokens=8192``)
     except ``gpu_memory_utilization``, 0.80 as in verl's DAPO/fully-async recipes (verl's own default is
     0.5). ``activation_reserve_bytes`` per GPU stands for vLLM's profiled activation peak and CUDA graphs.
+    ``step_overhead_s``: fixed time added to every engine step (CPU scheduling, kernel launches, tensor-parallel
+    all-reduce latency). 0 in the model we validated and project with; a what-if knob (docs/gpu-projection.md).
     """
 
     gpu: GpuSpec
@@ -55,6 +57,7 @@ class ServerSpec:
     activation_reserve_bytes: float = 3e9
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    step_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.kv_capacity_tokens < 1:
@@ -82,7 +85,7 @@ class ServerSpec:
         read = model.weight_bytes + model.kv_bytes_per_token * (decode_context + prefill_tokens)
         flops = model.linear_flops_per_token * (decode_requests + prefill_tokens)
         flops += model.attention_flops_per_context_token * (decode_context + prefill_attention)
-        return max(
+        return self.step_overhead_s + max(
             read / (self.tp * gpu.hbm_bandwidth * eff.bandwidth), flops / (self.tp * gpu.bf16_flops * eff.compute)
         )
 
@@ -98,7 +101,7 @@ class ServerSpec:
         compute = (model.linear_flops_per_token * requests + model.attention_flops_per_context_token * ctx) / (
             self.tp * gpu.bf16_flops * eff.compute
         )
-        return np.cumsum(np.maximum(memory, compute))
+        return np.cumsum(np.maximum(memory, compute) + self.step_overhead_s)
 
     def throughput_limit(self, mean_context: float) -> float:
         """Decode tokens/s of the server at full concurrency with requests of ``mean_context`` tokens on average.
