@@ -113,7 +113,8 @@ def test_segmented_parked_run_equals_verls_tool_loop(
             traj = await loop.start(**kwargs)
             version = 0
             while not traj.done:
-                grant = traj.max_new_tokens(partial_config, 0, response_length)
+                # The pool's grant counts model tokens only; the loop bounds the whole response itself.
+                grant = partial_config.max_new_tokens(traj.model_tokens, 0, response_length)
                 await loop.segment(
                     traj,
                     dict(GREEDY),

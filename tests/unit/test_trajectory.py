@@ -10,7 +10,9 @@ import zlib
 import numpy as np
 import pytest
 
+from verl_partial.core.finish import Finish
 from verl_partial.core.partial_config import PartialConfig
+from verl_partial.core.pool import RolloutPool, SegmentResult
 from verl_partial.core.trajectory import NO_VERSION, Phase, Trajectory
 
 EOS, CALL = 2, 50
@@ -128,16 +130,22 @@ def test_parked_with_calls_pending_runs_them_once_and_never_again():
 
 
 def test_step_token_budget_counts_model_tokens_and_response_length_counts_all():
+    """The pool holds a multi-turn sample's model tokens (its budget view) and the trajectory (the whole response)."""
+    pool = RolloutPool(PartialConfig(step_token_budget=5), group_size=1, batch_groups=1, response_length=10)
+    pool.admit({"row": 0}, "g0")
+    pool.begin_step(1, 0)
+    (ref,) = pool.runnable()
     traj = Trajectory(PROMPT)
-    traj.add_model_tokens([11, CALL, 5], [-0.1] * 3, 0, RESPONSE_LENGTH)
-    traj.end_model_turn(parse_calls(traj.turn_ids()), RESPONSE_LENGTH)
-    traj.add_tool_output([70, 71, 72, 73], RESPONSE_LENGTH)
+    traj.add_model_tokens([11, CALL, 5], [-0.1] * 3, 0, 10)
+    traj.end_model_turn(parse_calls(traj.turn_ids()), 10)
+    traj.add_tool_output([70, 71, 72, 73], 10)
     assert traj.model_tokens == 3 and len(traj.response_ids) == 7
-    config = PartialConfig(step_token_budget=5)
-    assert traj.max_new_tokens(config, model_tokens_this_step=traj.model_tokens, response_length=RESPONSE_LENGTH) == 2
-    assert traj.max_new_tokens(PartialConfig(), model_tokens_this_step=3, response_length=10) == 3
+    pool.start(ref, "s0")
+    model_ids, model_log_probs = traj.response_ids[traj.response_mask == 1], traj.log_probs[traj.response_mask == 1]
+    pool.finish_segment(ref, SegmentResult(model_ids, model_log_probs, Finish.LENGTH, "s0", payload=traj.state_dict()))
+    assert pool.start(ref, "s0").max_new_tokens == 2  # 5 - 3 model tokens: the 4 tool tokens do not count
     with pytest.raises(ValueError, match="overflow the response"):
-        traj.add_model_tokens([1, 2, 3, 4], [0.0] * 4, 0, response_length=10)
+        traj.add_model_tokens([1, 2, 3, 4], [0.0] * 4, 0, response_length=10)  # 7 + 4 > 10: all tokens count
 
 
 def test_tool_output_that_would_fill_the_response_ends_the_trajectory_without_it():
@@ -187,3 +195,32 @@ def test_inconsistent_state_is_refused():
     with pytest.raises(RuntimeError, match="cannot end a model turn in phase done"):
         traj.finish()
         traj.end_model_turn([], RESPONSE_LENGTH)
+
+
+def test_pool_keeps_a_trajectory_payload_through_a_checkpoint_and_drops_it_on_restart():
+    """The pool's hook for multi-turn samples: the loop's state rides on the sample, opaque to the pool."""
+
+    def new_pool() -> RolloutPool[dict]:
+        return RolloutPool(PartialConfig(max_staleness=0), group_size=1, batch_groups=1, response_length=64)
+
+    pool = new_pool()
+    pool.admit({"row": 0}, "g0")
+    pool.begin_step(1, 0)
+    (ref,) = pool.runnable()
+    pool.start(ref, "s0")
+    traj = Trajectory(PROMPT)
+    traj.add_model_tokens([11, CALL], [-0.1, -0.2], 0, RESPONSE_LENGTH)
+    ids, log_probs = np.array([11, CALL], np.int32), np.array([-0.1, -0.2], np.float32)
+    pool.finish_segment(ref, SegmentResult(ids, log_probs, Finish.LENGTH, "s0", payload=traj.state_dict()))
+    restored = new_pool()
+    restored.load_state_dict(pickle.loads(pickle.dumps(pool.state_dict())))
+    parked = Trajectory.from_state_dict(restored.sample(ref).payload)
+    assert parked.mid_turn and parked.response_ids.tolist() == [11, CALL]
+    # A result without a payload (e.g. a call cancelled before it reached its server) keeps the parked one.
+    restored.begin_step(2, 0)
+    restored.start(ref, "s0")
+    restored.finish_segment(ref, SegmentResult(ids[:0], log_probs[:0], Finish.ABORTED, "s0"))
+    assert restored.sample(ref).payload is not None
+    # Restarted for staleness: regenerated from the prompt, its old trajectory with it.
+    restored.begin_step(3, 1)
+    assert restored.sample(ref).payload is None and len(restored.sample(ref).token_ids) == 0

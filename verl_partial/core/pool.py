@@ -66,6 +66,10 @@ class SampleState:
     steps_touched: list[int] = field(default_factory=list)
     # The server of this sample's previous chunk in the current step (within-step stickiness, route changes).
     last_server: str | None = None
+    # Opaque state of a multi-turn agent loop (``core.trajectory.Trajectory.state_dict()``), replaced by every
+    # segment that reports one and checkpointed with the sample. The arrays above then hold the model's tokens
+    # only, so budgets, staleness and lag count model tokens; the loop itself bounds the whole response.
+    payload: Any = None
 
     @property
     def oldest_version(self) -> int | None:
@@ -85,6 +89,7 @@ class SampleState:
         self.finished = False
         self.finish = None
         self.steps_touched = []
+        self.payload = None
         return thrown
 
 
@@ -142,6 +147,8 @@ class SegmentResult:
     server: str
     server_version: int | None = None
     prompt_ids: np.ndarray | None = None
+    # A multi-turn loop's new sample state (see ``SampleState.payload``); ``None`` keeps the previous one.
+    payload: Any = None
 
 
 @dataclass
@@ -358,6 +365,8 @@ class RolloutPool(Generic[P]):
         if self.step not in sample.steps_touched:
             sample.steps_touched.append(self.step)
         sample.finish = result.finish
+        if result.payload is not None:
+            sample.payload = result.payload
         sample.finished = finished(result.finish, len(sample.token_ids), self.response_length)
         if sample.finished:
             self.finished_lengths.append(len(sample.token_ids))

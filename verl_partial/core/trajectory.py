@@ -13,10 +13,11 @@ full. Partial rollout may stop such a trajectory at a step end in two places:
 This module is that state and its transitions, without verl or Ray. Every response token carries its id, its
 mask (1 model, 0 tool output or template boundary), the behaviour log-prob (0 on mask 0) and the policy version
 that generated it (-1 on mask 0: no policy generated it), in compact numpy arrays. The turn counters follow verl's
-(``num_turns = user_turns + assistant_turns + 1``). Budgets: the model's tokens count against a step budget
-(:meth:`Trajectory.max_new_tokens`); the whole response, tool output included, is bounded by ``response_length``
-as verl bounds it: a model turn may not run past it, and a tool output that would reach it ends the trajectory
-without being appended (verl's ``_handle_processing_tools_state``).
+(``num_turns = user_turns + assistant_turns + 1``). Budgets: the rollout pool keeps the model's tokens of a
+multi-turn sample next to this state (``SampleState.payload``), so ``step_token_budget`` counts model tokens only;
+the whole response, tool output included, is bounded by ``response_length`` as verl bounds it: a model turn may
+not run past it, and a tool output that would reach it ends the trajectory without being appended (verl's
+``_handle_processing_tools_state``).
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ from enum import Enum
 from typing import Any
 
 import numpy as np
-
-from verl_partial.core.partial_config import PartialConfig
 
 TOKEN_DTYPE = np.int32
 MASK_DTYPE = np.int8
@@ -118,12 +117,6 @@ class Trajectory:
     def turn_ids(self) -> np.ndarray:
         """The current model turn's tokens from its first segment on: what the tool parser reads at its end."""
         return self.response_ids[self.turn_start :]
-
-    def max_new_tokens(self, config: PartialConfig, model_tokens_this_step: int, response_length: int) -> int:
-        """The next model segment's grant: the room left in ``response_length`` (tool output counts), capped by
-        ``chunk_tokens`` and by ``step_token_budget`` minus the *model* tokens this step (tool output does not
-        count against the budget)."""
-        return config.max_new_tokens(len(self.response_ids), model_tokens_this_step, response_length)
 
     # ------------------------------------------------------------------ transitions
     def add_model_tokens(self, ids: Any, log_probs: Any, version: int, response_length: int) -> None:

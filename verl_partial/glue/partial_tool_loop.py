@@ -49,6 +49,14 @@ class SegmentReport:
     tool_calls: int  # tool calls executed by this segment
     finish: Finish | None  # how the generate call ended (model segments)
 
+    @property
+    def pool_finish(self) -> Finish:
+        """The finish to report to the rollout pool, which keeps the model's tokens only: EOS once the trajectory
+        is done, otherwise an unfinished sample (ABORTED when the call was aborted, else LENGTH)."""
+        if self.phase is Phase.DONE:
+            return Finish.EOS
+        return Finish.ABORTED if self.finish is Finish.ABORTED else Finish.LENGTH
+
 
 class PartialToolAgentLoop(ToolAgentLoop):
     """verl's tool agent loop as a resumable state machine; constructed exactly like ``ToolAgentLoop``."""
@@ -92,6 +100,8 @@ class PartialToolAgentLoop(ToolAgentLoop):
         agent_data = self._agent_data(traj, kwargs, request_id)
         if traj.phase is Phase.TOOL_CALLS:
             return await self._tool_segment(traj, agent_data)
+        # The grant may count model tokens only (the pool's view); the whole response is bounded here, as in verl.
+        max_new_tokens = min(max_new_tokens, self.response_length - len(traj.response_ids))
         if max_new_tokens < 1:
             raise ValueError(f"a model segment needs max_new_tokens >= 1, got {max_new_tokens}")
         return await self._model_segment(traj, agent_data, sampling_params, max_new_tokens, version, eos_ids, generate)
