@@ -135,6 +135,8 @@ class SimCall:
     key: str
     prefix: list[int]
     state: str = "transit"  # transit -> (parked) -> queued -> running -> done
+    launched_at: float = 0.0
+    ended_at: float = float("inf")
     abort: bool = False
     aborted: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task | None = None
@@ -156,7 +158,7 @@ class SimEngine:
     calls: dict[str, SimCall] = field(default_factory=dict)
     decoding: set[str] = field(default_factory=set)
     tokens_generated: int = 0
-    cancelled_ids: list[str] = field(default_factory=list)
+    cancelled_ids: dict[str, float] = field(default_factory=dict)  # request id -> when its cancel arrived
     max_outstanding: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -190,7 +192,7 @@ class SimEngine:
                 raise AssertionError(f"request id {request.request_id} reused")
             prefix = group.samples[request.ref.index].token_ids
             assert len(prefix) == request.prefix_len
-            call = SimCall(request, group.key, prefix.tolist())
+            call = SimCall(request, group.key, prefix.tolist(), launched_at=self.now())
             self.calls[request.request_id] = call
             call.task = asyncio.ensure_future(self._serve(call, group))
             futures.append(call.task)
@@ -203,7 +205,7 @@ class SimEngine:
             call = self.calls[request.request_id]
             if self.server(request.server).dead(self.now()):
                 continue  # a dead server does not answer its abort
-            self.cancelled_ids.append(request.request_id)
+            self.cancelled_ids.setdefault(request.request_id, self.now())
             if call.state == "running":
                 self._stop(call)  # abort_request: returns its tokens so far
             elif call.state in ("transit", "parked", "queued") and call.task is not None:
@@ -240,7 +242,7 @@ class SimEngine:
         try:
             return await self._arrive_and_run(call, group)
         finally:
-            call.state = "done"
+            call.state, call.ended_at = "done", self.now()
 
     async def _arrive_and_run(self, call: SimCall, group: GroupState) -> SegmentResult:
         request, server = call.request, self.server(call.request.server)

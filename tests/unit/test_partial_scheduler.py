@@ -451,7 +451,7 @@ def test_a_stalled_call_is_cancelled_at_its_server_and_retried_elsewhere():
     run = simulate(config, n=2, batch=2, steps=2, response_length=16, seed=11, engine=engine)
     stalled = sum(m["partial/stalled_calls"] for m in run.metrics)
     assert stalled > 0
-    hung = [rid for rid in engine.cancelled_ids if engine.calls[rid].state == "done"]
+    hung = [rid for rid in engine.cancelled_ids if engine.calls[rid].state == "done"]  # cancel reached them
     assert len(hung) >= stalled  # every stalled call was aborted at its server and ended there
     check_groups(run.trained, config, 2, 2, 16, 11)
 
@@ -494,16 +494,34 @@ def test_a_success_resets_the_failure_count():
     assert not pool.groups and pool.events[-1] == ("failed", "x")
 
 
-def test_a_failed_group_stops_generating_everywhere():
-    """When one sample's failures take its group out, the group's other calls are cancelled at their servers."""
+def test_a_failed_group_stops_generating_everywhere(monkeypatch):
+    """When one sample's failures take its group out, the group's other running calls are cancelled at their
+    servers at that very moment (not left generating until the step ends)."""
     config = PartialConfig(
         extra_groups=1, staleness_policy="keep", request_timeout_s=1.0, abort_grace_s=0.5, max_retries=0
     )
     engine = make_engine(2, 200, 2, fail_rate=0.3)
+    failed_at: dict[str, float] = {}
+    original = RolloutPool.fail_segment
+
+    def recording_fail_segment(pool, ref):
+        key = pool.groups[ref.group_id].key if ref.group_id in pool.groups else None
+        out = original(pool, ref)
+        if out and key is not None:
+            failed_at[key] = engine.now()
+        return out
+
+    monkeypatch.setattr(RolloutPool, "fail_segment", recording_fail_segment)
     run = simulate(config, n=4, batch=1, steps=2, response_length=200, seed=2, engine=engine, prompts=60)
-    assert run.pool.totals.failed_groups > 0
-    assert sum(m["partial/cancelled_calls"] for m in run.metrics) > 0
     check_ledger(run, 1, 1)
+    orphans = [
+        call
+        for call in engine.calls.values()
+        if call.key in failed_at and call.launched_at <= failed_at[call.key] < call.ended_at
+    ]
+    assert orphans, "the schedule must take out a group while others of its calls run"
+    for call in orphans:
+        assert engine.cancelled_ids.get(call.request.request_id) == failed_at[call.key]
 
 
 def test_a_dead_server_cannot_stall_the_step():
