@@ -128,6 +128,47 @@ def check_balance_against_trainer(config: DictConfig) -> None:
             "balance.enable=true needs actor_rollout_ref.actor.shuffle=false: a shuffled actor regroups "
             "mini-batches per rank, so no order can keep groups together"
         )
+    if balance.enable and uses_critic(config):
+        check_balance_critic(config)
+
+
+def uses_critic(config: DictConfig) -> bool:
+    """verl 0.9.1's ``need_critic``: ``critic.enable`` when set, else whether the advantage estimator is GAE."""
+    enable = config.get("critic", {}).get("enable")
+    if enable is not None:
+        return bool(enable)
+    return str(config.algorithm.adv_estimator).lower() == "gae"
+
+
+def check_balance_critic(config: DictConfig, *, critic_dp_size: int | None = None, actor_dp_size: int | None = None):
+    """The critic trains on the same balanced batch (``RayPPOTrainer._update_critic``): its mini-batches keep
+    the groups only if it cuts them exactly like the actor -- same mini-batch size, same dp size, in order.
+
+    The dp sizes are known only once the workers exist; the trainer hook passes them on the first step.
+    """
+    critic, actor = config.critic, config.actor_rollout_ref.actor
+    problems = []
+    if critic.get("shuffle", False):
+        problems.append("critic.shuffle must be false: a shuffled critic regroups its mini-batches per rank")
+    if critic.get("ppo_mini_batch_size") != actor.get("ppo_mini_batch_size"):
+        problems.append(
+            f"critic.ppo_mini_batch_size={critic.get('ppo_mini_batch_size')} must equal "
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={actor.get('ppo_mini_batch_size')}: the balancer packs "
+            "groups into the actor's mini-batches, a different critic mini-batch cuts through them"
+        )
+    if critic_dp_size is not None and critic_dp_size != actor_dp_size:
+        problems.append(
+            f"the critic's data-parallel size ({critic_dp_size}) must equal the actor's ({actor_dp_size}): each rank "
+            "cuts its own shard into mini-batches, so other shards regroup them. Give the critic the actor's "
+            "parallel layout (critic.ulysses_sequence_parallel_size and the critic's model parallel sizes equal to "
+            "actor_rollout_ref.actor's)"
+        )
+    if problems:
+        raise ValueError(
+            "balance.enable=true with a critic (critic.enable, or algorithm.adv_estimator=gae) needs:\n  - "
+            + "\n  - ".join(problems)
+            + "\nor set balance.enable=false"
+        )
 
 
 def check_trainer_path(config: DictConfig) -> None:

@@ -6,6 +6,7 @@ behaves exactly like verl's without our overrides.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from typing import Any
@@ -117,24 +118,40 @@ def balance_config(config: Any):
     return block_to_dataclass(config, "balance", BalanceConfig)
 
 
-def balance_batch(trainer: Any, batch: Any, metrics: dict[str, Any], dp_size: int, verl_default: Any) -> None:
+def balance_batch(
+    trainer: Any,
+    batch: Any,
+    metrics: dict[str, Any],
+    dp_size: int,
+    verl_default: Any,
+    critic_dp_size: int | None = None,
+) -> None:
     """Group-preserving balancing in place of verl's; with ``balance.enable=false``, measure verl's own.
 
     ``verl_default(batch, metrics)`` is verl's original ``_balance_batch``; the measurement mode runs it
-    unchanged and reports how many groups its order splits across mini-batches.
+    unchanged and reports how many groups its order splits across mini-batches. ``critic_dp_size`` is the
+    critic's data-parallel size when the trainer has a critic (it trains on the same order, so it must cut
+    mini-batches like the actor).
     """
+    from verl_partial.config import check_balance_critic
     from verl_partial.glue.balance import balance_batch_by_group, measure_batch_order
 
     config = balance_config(trainer.config)
+    if config.enable and critic_dp_size is not None:
+        check_balance_critic(trainer.config, critic_dp_size=critic_dp_size, actor_dp_size=dp_size)
     mini_batch = trainer.config.actor_rollout_ref.actor.ppo_mini_batch_size * trainer.config.actor_rollout_ref.rollout.n
-    model_config = None
-    if config.cost == "flops":
-        from transformers import AutoConfig
-
-        model_config = AutoConfig.from_pretrained(trainer.config.actor_rollout_ref.model.path)
+    model_config = _model_config(trainer.config.actor_rollout_ref.model.path) if config.cost == "flops" else None
     sizes = dict(config=config, dp_size=dp_size, mini_batch_size_samples=mini_batch, model_config=model_config)
     if config.enable:
         metrics.update(balance_batch_by_group(batch, **sizes))
     else:
         verl_default(batch, metrics)
         metrics.update(measure_batch_order(batch, **sizes))
+
+
+@functools.lru_cache(maxsize=4)
+def _model_config(path: str) -> Any:
+    """The actor model's config for ``balance.cost=flops``: read from disk once, not at every step."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)

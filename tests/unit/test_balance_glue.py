@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+import verl
+from omegaconf import OmegaConf
 from verl import DataProto
 from verl.utils.seqlen_balancing import calculate_workload
 
+from verl_partial import trainer_hooks
+from verl_partial.config import check_balance_against_trainer, check_balance_critic
 from verl_partial.core.balance import evaluate_permutation
 from verl_partial.core.balance_config import BalanceConfig
 from verl_partial.glue.balance import balance_batch_by_group, flops_per_sample, sample_costs
@@ -121,3 +127,63 @@ def test_cost_models():
         sample_costs(seqlen, "flops")
     with pytest.raises(ValueError, match="num_hidden_layers"):
         sample_costs(seqlen, "flops", SimpleNamespace(hidden_size=8))
+
+
+def test_unhashable_group_key_values_name_the_config_key():
+    batch, _, _ = make_batch([4] * 8)
+    rows = np.empty(32, dtype=object)
+    rows[:] = [[i // 4] for i in range(32)]  # a list per row: groups cannot be told apart by hashing
+    batch.non_tensor_batch["turn_ids"] = rows
+    cfg = BalanceConfig(enable=True, group_key="turn_ids")
+    with pytest.raises(ValueError, match=r"balance\.group_key='turn_ids' must name a column of hashable values"):
+        balance_batch_by_group(batch, config=cfg, dp_size=2, mini_batch_size_samples=8)
+    assert batch.batch["row_id"].tolist() == list(range(32))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# trainer-level checks: the critic trains on the same order, so it must cut mini-batches like the actor
+# ---------------------------------------------------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def composed(**dotted: object):
+    """verl's generated ppo_trainer config + ``+balance=group`` (what main_ppo composes), with overrides."""
+    config = OmegaConf.load(Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml")
+    config = OmegaConf.merge(config, OmegaConf.load(REPO / "hydra_configs" / "balance" / "group.yaml"))
+    for key, value in dotted.items():
+        OmegaConf.update(config, key, value, force_add=True)
+    return config
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        ({"critic.shuffle": True}, "critic.shuffle must be false"),
+        ({"critic.ppo_mini_batch_size": 64}, "critic.ppo_mini_batch_size=64 must equal"),
+    ],
+)
+def test_critic_that_would_split_groups_fails_naming_the_key(overrides, key):
+    with pytest.raises(ValueError, match=re.escape(key)):
+        check_balance_against_trainer(composed(**{"algorithm.adv_estimator": "gae", **overrides}))
+    # the same critic settings are fine when no critic runs (GRPO) or balancing is off
+    check_balance_against_trainer(composed(**{"algorithm.adv_estimator": "grpo", **overrides}))
+    check_balance_against_trainer(composed(**{"algorithm.adv_estimator": "gae", "balance.enable": False, **overrides}))
+
+
+def test_default_critic_follows_the_actor_and_passes():
+    config = composed(**{"algorithm.adv_estimator": "gae"})
+    check_balance_against_trainer(config)
+    check_balance_critic(config, critic_dp_size=4, actor_dp_size=4)
+    with pytest.raises(ValueError, match=r"critic's data-parallel size \(2\) must equal the actor's \(4\)"):
+        check_balance_critic(config, critic_dp_size=2, actor_dp_size=4)
+
+
+def test_flops_model_config_is_read_once(tmp_path):
+    from transformers import Qwen2Config
+
+    Qwen2Config(num_hidden_layers=2, hidden_size=8, num_attention_heads=2).save_pretrained(tmp_path)
+    first = trainer_hooks._model_config(str(tmp_path))
+    (tmp_path / "config.json").unlink()  # a second read from disk would now fail
+    assert trainer_hooks._model_config(str(tmp_path)) is first
+    assert first.num_hidden_layers == 2

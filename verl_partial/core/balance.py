@@ -53,7 +53,9 @@ __all__ = [
     "BalanceResult",
     "BalanceStats",
     "balance_groups",
+    "assign_ranks",
     "check_layout",
+    "efficiency_lower_bound",
     "evaluate_permutation",
 ]
 
@@ -67,6 +69,9 @@ _MAX_SWAP_MATRIX = 250_000
 # keep_group_on_rank: a whole-group rank layout is kept unless cutting a few groups across ranks gives a
 # max rank cost more than 5% lower (cutting only loses some prefix sharing; imbalance costs every step).
 _KEEP_WHOLE_SLACK = 0.05
+# Two candidate memberships whose rank floors differ by more than this fraction: keep the lower floor
+# (the rank step lands within about 1 % of it at small m); closer calls are settled by a cheap rank step.
+_CHOICE_MARGIN = 0.01
 # Node budget of the exact backtracking search (hard cases with few, large groups); ~0.5 s worst case.
 _SEARCH_BUDGET = 200_000
 # ... and only for instances with at most this many groups (the recursion goes one level per group; the
@@ -241,73 +246,130 @@ def _kk_equal(costs: np.ndarray, k: int) -> np.ndarray:
 
 
 def _refine_swaps(
-    labels: np.ndarray,
+    slots: np.ndarray,
     costs: np.ndarray,
-    k: int,
+    floor: np.ndarray,
     max_passes: int = _REFINE_MAX_PASSES,
 ) -> None:
-    """Polish in place: swap one item of the heaviest bin with a cheaper item of a light bin.
+    """Swap polish of many equal-count partitions at once (in place).
 
-    A swap keeps every bin's item count (and, when the items are same-size groups, its sample count). The
-    pair is chosen so the moved difference is as close as possible to half the gap, which minimises the new
-    max of the two bins. Stops when the heaviest bin is within ``_REFINE_RTOL`` of the mean or no swap
-    helps.
+    ``slots[p, b, :]`` are the item indices (into ``costs``) of bin b of partition p. Each pass, in every
+    partition still above its target, one item of the heaviest bin swaps with a cheaper item of one of the
+    four lightest bins, chosen so the moved difference is as close as possible to half their gap (which
+    minimises the new max of the two). A swap keeps every bin's item count. A partition stops when its
+    heaviest bin is within ``_REFINE_RTOL`` of max(mean, ``floor[p]``) (a lower bound the caller knows) or
+    no swap helps. All partitions advance together in numpy, so the cost is per pass, not per partition.
     """
-    loads = np.bincount(labels, weights=costs, minlength=k)
-    tol = _REFINE_RTOL * max(float(loads.mean()), 1e-12)
-    order = np.argsort(labels, kind="stable")
-    bounds = np.searchsorted(labels[order], np.arange(k + 1))
-    members = [order[bounds[b] : bounds[b + 1]].copy() for b in range(k)]
-    mean = float(loads.mean())
+    n_parts, k, per_bin = slots.shape
+    if k == 1 or per_bin == 0:
+        return
+    vals = costs[slots]  # [P, k, per_bin], kept in step with slots
+    loads = vals.sum(axis=2)
+    mean = loads.mean(axis=1)
+    tol = _REFINE_RTOL * np.maximum(mean, 1e-12)
+    target = np.maximum(mean, floor)
+    n_lo = min(16, k - 1)
+    active = np.ones(n_parts, dtype=bool)
     for _ in range(max_passes):
-        hi = int(np.argmax(loads))
-        if loads[hi] - mean <= tol:
+        hi = loads.argmax(axis=1)
+        parts = np.arange(n_parts)
+        active &= loads[parts, hi] - target > tol
+        ps = np.flatnonzero(active)
+        if ps.size == 0:
             return
-        a_idx = members[hi]
-        if a_idx.size == 0:
+        hi = hi[ps]
+        lo = np.argsort(loads[ps], axis=1, kind="stable")[:, :n_lo]  # [A, L]
+        gap = loads[ps, hi][:, None] - loads[ps[:, None], lo]  # [A, L]
+        a = vals[ps, hi]  # [A, per_bin]
+        # Rows (partition, light bin) sorted by cost, laid end to end with offsets so that one global
+        # searchsorted finds, for every heavy item, the light item closest to (heavy item - gap / 2).
+        b_order = np.argsort(vals[ps[:, None], lo], axis=2, kind="stable")  # [A, L, per_bin]
+        b_sorted = np.take_along_axis(vals[ps[:, None], lo], b_order, axis=2)
+        span = 2.0 * float(max(vals.max(), gap.max(), 1.0)) + 1.0
+        row_off = np.arange(ps.size * n_lo, dtype=np.float64).reshape(ps.size, n_lo) * span
+        flat = (b_sorted + row_off[:, :, None]).ravel()
+        want = a[:, None, :] - gap[:, :, None] / 2.0  # [A, L, per_bin]
+        pos = np.searchsorted(flat, (want + row_off[:, :, None]).ravel()).reshape(want.shape)
+        pos -= (np.arange(ps.size * n_lo) * per_bin).reshape(ps.size, n_lo, 1)
+        best_err = np.full(ps.size, np.inf)
+        best = np.zeros((ps.size, 3), dtype=np.int64)  # (light-bin column, heavy slot, light sorted slot)
+        for cand in (np.clip(pos - 1, 0, per_bin - 1), np.clip(pos, 0, per_bin - 1)):
+            delta = a[:, None, :] - np.take_along_axis(b_sorted, cand, axis=2)
+            g = gap[:, :, None]
+            t = tol[ps][:, None, None]
+            err = np.where((delta > t) & (delta < g - t), np.abs(delta - g / 2.0), np.inf).reshape(ps.size, -1)
+            idx = err.argmin(axis=1)
+            e = err[np.arange(ps.size), idx]
+            better = e < best_err
+            col, slot = np.divmod(idx, per_bin)
+            best_err = np.where(better, e, best_err)
+            best[better] = np.stack([col, slot, cand.reshape(ps.size, -1)[np.arange(ps.size), idx]], axis=1)[better]
+        moved = np.isfinite(best_err)
+        active[ps[~moved]] = False
+        if not moved.any():
             return
-        a = costs[a_idx]
-        moved = False
-        for lo in np.argsort(loads, kind="stable")[:4].tolist():
-            gap = loads[hi] - loads[lo]
-            if gap <= tol:
-                break
-            b_idx = members[lo]
-            if b_idx.size == 0:
-                continue
-            b_cost = costs[b_idx]
-            b_order = np.argsort(b_cost, kind="stable")
-            b_sorted = b_cost[b_order]
-            pos = np.searchsorted(b_sorted, a - gap / 2.0)
-            last = b_sorted.size - 1
-            best_err, best = np.inf, (0, 0)
-            for cand in (np.maximum(pos - 1, 0), np.minimum(pos, last)):
-                delta = a - b_sorted[cand]
-                err = np.where((delta > tol) & (delta < gap - tol), np.abs(delta - gap / 2.0), np.inf)
-                i = int(np.argmin(err))
-                if err[i] < best_err:
-                    best_err, best = float(err[i]), (i, int(b_order[cand[i]]))
-            if best_err == np.inf:
-                continue
-            i, j = best
-            ia, jb = a_idx[i], b_idx[j]
-            delta = costs[ia] - costs[jb]
-            labels[ia], labels[jb] = lo, hi
-            a_idx[i], b_idx[j] = jb, ia
-            loads[hi] -= delta
-            loads[lo] += delta
-            moved = True
-            break
-        if not moved:
-            return
+        ps, hi, lo, best = ps[moved], hi[moved], lo[moved], best[moved]
+        lb = lo[np.arange(ps.size), best[:, 0]]
+        ia = best[:, 1]
+        jb = b_order[moved][np.arange(ps.size), best[:, 0], best[:, 2]]
+        va, vb = vals[ps, hi, ia].copy(), vals[ps, lb, jb].copy()
+        sa, sb = slots[ps, hi, ia].copy(), slots[ps, lb, jb].copy()
+        vals[ps, hi, ia], vals[ps, lb, jb] = vb, va
+        slots[ps, hi, ia], slots[ps, lb, jb] = sb, sa
+        loads[ps, hi] -= va - vb
+        loads[ps, lb] += va - vb
 
 
-def _equal_count_partition(costs: np.ndarray, k: int) -> np.ndarray:
-    """Split ``len(costs)`` (a multiple of k) items into k bins of equal count, minimising the max bin cost.
+def _slots_of(labels: np.ndarray, k: int) -> np.ndarray:
+    """[k, per_bin] item indices of an equal-count labelling (bin b's items in row b)."""
+    return np.argsort(labels, kind="stable").reshape(k, -1)
 
-    KK is usually best with many items per bin; round-based largest-first can win on heavy tails with few
-    items per bin. Both are cheap, so run both and keep the better. Round-based largest-first also bounds
-    the result: max bin <= mean bin + largest item (each round adds at most the spread it removes).
+
+def _labels_of(slots: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`_slots_of`."""
+    k, per_bin = slots.shape
+    labels = np.empty(k * per_bin, dtype=np.int64)
+    labels[slots.ravel()] = np.repeat(np.arange(k), per_bin)
+    return labels
+
+
+def _lpt_cardinality(costs: np.ndarray, k: int) -> np.ndarray:
+    """Largest-first with a count cap: the k largest items open the k bins, then each item, largest first,
+    goes to the lightest bin that still has a free slot.
+
+    Unlike the round-based variant, a bin holding a very large item is not forced to take an item every
+    round: it waits while the others catch up and ends up with the smallest leftovers, which is what few
+    items per bin with a heavy tail need.
+    """
+    n = costs.shape[0]
+    per_bin = n // k
+    order = np.argsort(-costs, kind="stable")
+    labels = np.empty(n, dtype=np.int64)
+    labels[order[:k]] = np.arange(k)
+    if per_bin == 1:
+        return labels
+    costs_l = costs.tolist()
+    heap = [(costs_l[i], b) for b, i in enumerate(order[:k].tolist())]
+    heapq.heapify(heap)
+    count = [1] * k
+    out = labels.tolist()
+    for i in order[k:].tolist():
+        load, b = heap[0]
+        out[i] = b
+        count[b] += 1
+        if count[b] < per_bin:
+            heapq.heapreplace(heap, (load + costs_l[i], b))
+        else:
+            heapq.heappop(heap)
+    return np.asarray(out, dtype=np.int64)
+
+
+def _equal_count_candidates(costs: np.ndarray, k: int) -> np.ndarray:
+    """Best of KK, round-based and count-capped largest-first (unpolished), for ``len(costs)`` divisible by k.
+
+    KK is usually best with many items per bin; largest-first can win on heavy tails with few items per
+    bin. All three are cheap, so run them and keep the best. Round-based largest-first also bounds the
+    result: max bin <= mean bin + largest item (each round adds at most the spread it removes).
     """
     n = costs.shape[0]
     if k == 1:
@@ -315,14 +377,31 @@ def _equal_count_partition(costs: np.ndarray, k: int) -> np.ndarray:
     if n == k:
         return np.argsort(np.argsort(-costs, kind="stable"), kind="stable").astype(np.int64)
     best, best_max = None, np.inf
-    for fn in (_kk_equal, _lpt_rounds):
+    for fn in (_kk_equal, _lpt_rounds, _lpt_cardinality):
         lab = fn(costs, k)
         mx = np.bincount(lab, weights=costs, minlength=k).max()
         if mx < best_max:
             best, best_max = lab, mx
     assert best is not None
-    _refine_swaps(best, costs, k)
     return best
+
+
+def _bin_floor(costs: np.ndarray, k: int) -> float:
+    """No equal-count split into k bins beats max(mean, largest + the per_bin - 1 smallest)."""
+    per_bin = costs.shape[0] // k
+    head = float(np.sort(costs)[: per_bin - 1].sum() + costs.max()) if costs.size else 0.0
+    return max(float(costs.sum()) / k, head)
+
+
+def _equal_count_partition(costs: np.ndarray, k: int) -> np.ndarray:
+    """Split ``len(costs)`` (a multiple of k) items into k bins of equal count, minimising the max bin cost:
+    :func:`_equal_count_candidates`, then the swap polish."""
+    labels = _equal_count_candidates(costs, k)
+    if k == 1:
+        return labels
+    slots = _slots_of(labels, k)[None]
+    _refine_swaps(slots, costs, np.array([_bin_floor(costs, k)]))
+    return _labels_of(slots[0])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -675,6 +754,117 @@ def _pack_exact(
     return cut
 
 
+def _pack_by_heaviness(
+    sizes: np.ndarray,
+    costs: np.ndarray,
+    heads: np.ndarray,
+    n_bins: int,
+    capacity: int,
+    dp_size: int,
+) -> np.ndarray:
+    """Units -> mini-batches of exactly ``capacity`` samples, heavy units together (whole units only).
+
+    A mini-batch's slowest rank costs at least max(total / dp, head): ``head`` is its heaviest atom (a
+    sample, or a group with ``keep_group_on_rank``), which one rank must carry whole. The first term is
+    fixed in sum over mini-batches; the second is waste whenever it exceeds the first. So:
+
+    1. Leaders: sort units by head (heaviest first); mini-batch j is led by the unit holding sample
+       position j * capacity of that order. This makes the sum of the K heads as small as it can be (the
+       j-th largest head of any layout is at least this leader's, see :func:`efficiency_lower_bound`).
+    2. Every other unit, heaviest head first, joins the mini-batch with the largest deficit
+       head - total / dp among those whose leader is at least as heavy (so no head rises) and that have
+       room: heavy mini-batches are topped up until their heavy rank is no longer alone in setting the
+       step time; once none has a deficit, units go where the surplus is smallest, spreading the rest
+       evenly.
+
+    A unit that finds no room there (unequal sizes fragment it) takes the heaviest-led bin beyond with
+    room. Returns labels, with -1 for units stranded even so (the caller repairs). Requires every
+    size <= capacity (then the leaders are distinct units).
+    """
+    n_units = sizes.shape[0]
+    order = np.lexsort((-costs, -heads))
+    cum = np.cumsum(sizes[order])
+    leaders = order[np.searchsorted(cum, np.arange(n_bins) * capacity, side="right")]
+    labels = np.full(n_units, -1, dtype=np.int64)
+    labels[leaders] = np.arange(n_bins)
+    head_of_bin = heads[leaders].tolist()  # non-increasing in j
+    room = [capacity - int(x) for x in sizes[leaders].tolist()]
+    load = costs[leaders].tolist()
+    stamp = [0] * n_bins  # bumped on every change; heap entries with an old stamp are stale
+    inv_dp = 1.0 / dp_size
+    is_leader = np.zeros(n_units, dtype=bool)
+    is_leader[leaders] = True
+    rest = order[~is_leader[order]]
+    # bins whose leader head >= the unit's head: a prefix 0..reach-1, growing as heads fall
+    reach_of = np.searchsorted(-heads[leaders], -heads[rest], side="right").tolist()
+    out = labels.tolist()
+    heap: list[tuple[float, int, int]] = []
+    eligible = 0
+    for u, reach, s, cost, head in zip(
+        rest.tolist(), reach_of, sizes[rest].tolist(), costs[rest].tolist(), heads[rest].tolist(), strict=True
+    ):
+        while eligible < reach:
+            if room[eligible] > 0:
+                heapq.heappush(heap, (load[eligible] * inv_dp - head_of_bin[eligible], eligible, 0))
+            eligible += 1
+        skipped = []
+        while heap:
+            entry = heapq.heappop(heap)
+            b = entry[1]
+            if entry[2] != stamp[b]:
+                continue
+            if room[b] < s:
+                skipped.append(entry)
+                continue
+            out[u] = b
+            room[b] -= s
+            load[b] += cost
+            stamp[b] += 1
+            if room[b] > 0:
+                heapq.heappush(heap, (load[b] * inv_dp - head_of_bin[b], b, stamp[b]))
+            break
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        if out[u] < 0:
+            # The eligible bins' room is fragmented (unequal sizes): take the heaviest-led bin beyond them
+            # that fits, raising its head as little as possible.
+            b = next((b for b in range(reach, n_bins) if room[b] >= s), -1)
+            if b >= 0:
+                out[u] = b
+                room[b] -= s
+                load[b] += cost
+                stamp[b] += 1
+                head_of_bin[b] = max(head_of_bin[b], head)
+    return np.asarray(out, dtype=np.int64)
+
+
+def _pack_minibatches(
+    sizes: np.ndarray,
+    costs: np.ndarray,
+    max_sample: np.ndarray,
+    n_bins: int,
+    dp_size: int,
+    capacity: int,
+    keep_group_on_rank: bool,
+) -> _Packing | None:
+    """Step 1 of :func:`balance_groups`: :func:`_pack_by_heaviness`, then the exact repair for stranded
+    units; None when that fails (the caller falls back to :func:`_pack_exact`'s search and cutting)."""
+    ident = np.arange(sizes.shape[0], dtype=np.int64)
+    if n_bins == 1:
+        return _Packing(np.zeros(sizes.shape[0], dtype=np.int64), ident, sizes.copy(), 0)
+    # The rank atom: a sample, or with keep_group_on_rank a group (its rank-slot-sized share if larger).
+    heads = costs * np.minimum(1.0, (capacity // dp_size) / sizes) if keep_group_on_rank else max_sample
+    labels = _pack_by_heaviness(sizes, costs, heads, n_bins, capacity, dp_size)
+    if (labels < 0).any():
+        placed = labels >= 0
+        room = capacity - np.bincount(labels[placed], weights=sizes[placed], minlength=n_bins).astype(np.int64)
+        repaired = _repair(labels, room, sizes, costs, capacity)
+        if repaired is None:
+            return None
+        labels = repaired
+    return _Packing(labels, ident, sizes.copy(), 0)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # public API
 # ----------------------------------------------------------------------------------------------------------
@@ -752,12 +942,18 @@ def balance_groups(
                 unit_samples.append(rows)
         u_sizes = np.array([u.size for u in unit_samples], dtype=np.int64)
         u_costs = np.array([c[u].sum() for u in unit_samples], dtype=np.float64)
+        u_max = np.array([c[u].max() for u in unit_samples], dtype=np.float64)
         unit_group = np.array([codes[u[0]] for u in unit_samples], dtype=np.int64)
     else:
+        u_max = np.maximum.reduceat(c[by_group], starts[:-1])
         unit_group = np.arange(g_sizes.shape[0], dtype=np.int64)
 
-    packing = _pack_exact(u_sizes, u_costs, n_mb, mini_batch_size, allow_split=allow_split)
-    if packing is None:
+    # Two memberships: heavy groups together (what few rows per rank need) and expensive groups spread
+    # evenly (a representative mix per step; as good or better when heavy groups bring many heavy rows).
+    spread = _pack_exact(u_sizes, u_costs, n_mb, mini_batch_size, allow_split=allow_split)
+    clustered = _pack_minibatches(u_sizes, u_costs, u_max, n_mb, dp_size, mini_batch_size, keep_group_on_rank)
+    packings = [p for p in (spread, clustered) if p is not None]
+    if not packings:
         try:
             proven = _exact_search(u_sizes, n_mb, mini_batch_size) is None
         except _SearchBudgetExceeded:
@@ -768,34 +964,59 @@ def balance_groups(
             f"exactly {mini_batch_size} samples each (N={n}, dp_size={dp_size}): {verdict}; "
             "set balance.on_infeasible=split to cut groups"
         )
-    sample_mb = np.empty(n, dtype=np.int64)
-    cut_groups = set(presplit)
-    consumed: dict[int, int] = {}
-    for unit, b, count in zip(
-        packing.origin.tolist(), packing.labels.tolist(), packing.piece_size.tolist(), strict=True
-    ):
-        rows = unit_samples[unit] if unit_samples is not None else by_group[starts[unit] : starts[unit + 1]]
-        off = consumed.get(unit, 0)
-        sample_mb[rows[off : off + count]] = b
-        consumed[unit] = off + count
-        if count != rows.size:
-            cut_groups.add(int(unit_group[unit]))
+    packings = [p for p in packings if p.cut_units == 0] or packings
 
-    # A cut group whose pieces ended up in one mini-batch after all (the polish may reunite them) is whole.
-    cut_groups = {g for g in cut_groups if np.unique(sample_mb[by_group[starts[g] : starts[g + 1]]]).size > 1}
+    def membership(packing: _Packing) -> tuple[np.ndarray, set[int]]:
+        """Mini-batch per sample, and the groups the packing cut across mini-batches."""
+        sample_mb = np.empty(n, dtype=np.int64)
+        cut_groups = set(presplit)
+        consumed: dict[int, int] = {}
+        for unit, b, count in zip(
+            packing.origin.tolist(), packing.labels.tolist(), packing.piece_size.tolist(), strict=True
+        ):
+            rows = unit_samples[unit] if unit_samples is not None else by_group[starts[unit] : starts[unit + 1]]
+            off = consumed.get(unit, 0)
+            sample_mb[rows[off : off + count]] = b
+            consumed[unit] = off + count
+            if count != rows.size:
+                cut_groups.add(int(unit_group[unit]))
+        # A cut group whose pieces ended up in one mini-batch after all (the polish may reunite them) is whole.
+        return sample_mb, {g for g in cut_groups if np.unique(sample_mb[by_group[starts[g] : starts[g + 1]]]).size > 1}
 
-    # --- step 2: inside each mini-batch, samples (or groups) -> ranks --------------------------------------
-    sample_rank = np.empty(n, dtype=np.int64)
-    mb_order = np.argsort(sample_mb, kind="stable")
-    rank_fallbacks = 0
-    for j in range(n_mb):
-        rows = mb_order[j * mini_batch_size : (j + 1) * mini_batch_size]
-        if keep_group_on_rank and dp_size > 1:
-            labels, degraded = _ranks_keeping_groups(rows, codes, c, dp_size, per_rank)
-            rank_fallbacks += int(degraded)
-        else:
-            labels = _equal_count_partition(c[rows], dp_size)
-        sample_rank[rows] = labels
+    def ranks(sample_mb: np.ndarray) -> tuple[np.ndarray, int]:
+        """Step 2, inside each mini-batch: samples (or groups) -> ranks; and the degraded mini-batches."""
+        if not (keep_group_on_rank and dp_size > 1):
+            return _assign_ranks(c, sample_mb, n_mb, dp_size), 0
+        sample_rank = np.empty(n, dtype=np.int64)
+        mb_order = np.argsort(sample_mb, kind="stable")
+        degraded = 0
+        for j in range(n_mb):
+            rows = mb_order[j * mini_batch_size : (j + 1) * mini_batch_size]
+            labels, cut = _ranks_keeping_groups(rows, codes, c, dp_size, per_rank)
+            degraded += int(cut)
+            sample_rank[rows] = labels
+        return sample_rank, degraded
+
+    def step_time(sample_mb: np.ndarray, sample_rank: np.ndarray) -> float:
+        return float(np.bincount(sample_mb * dp_size + sample_rank, weights=c).reshape(n_mb, dp_size).max(1).sum())
+
+    layouts = [membership(p) for p in packings]
+    if len(layouts) == 2 and keep_group_on_rank:
+        # The rank atom is a group, which sample-level floors do not see: run both rank steps, keep the faster.
+        tried = [(mb, cut, *ranks(mb)) for mb, cut in layouts]
+        sample_mb, cut_groups, sample_rank, rank_fallbacks = min(tried, key=lambda t: step_time(t[0], t[2]))
+    else:
+        if len(layouts) == 2:
+            # The membership with the clearly lower rank floor wins; close calls go to the one whose slowest
+            # ranks are lighter under round-based largest-first (cheap, all mini-batches at once), ties to
+            # the spread membership.
+            by_mb = [np.sort(c[np.argsort(mb, kind="stable")].reshape(n_mb, -1), axis=1) for mb, _ in layouts]
+            score = [float(_rank_floor(x, dp_size).sum()) for x in by_mb]
+            if min(score) >= (1.0 - _CHOICE_MARGIN) * max(score):
+                score = [_rounds_step_time(x, dp_size) for x in by_mb]
+            layouts = [layouts[int(np.argmin(score))]]
+        sample_mb, cut_groups = layouts[0]
+        sample_rank, rank_fallbacks = ranks(sample_mb)
 
     perm = np.lexsort((np.arange(n), codes, sample_mb, sample_rank))
     stats = _evaluate(
@@ -808,6 +1029,43 @@ def balance_groups(
         rank_fallback_minibatches=rank_fallbacks,
     )
     return BalanceResult(perm=perm.tolist(), stats=stats)
+
+
+def assign_ranks(
+    costs: Sequence[float] | np.ndarray, minibatch: Sequence[int] | np.ndarray, *, dp_size: int
+) -> np.ndarray:
+    """Step 2 alone: given each sample's mini-batch (0..K-1, every one holding the same multiple of
+    ``dp_size`` samples), the rank of each sample, balancing each mini-batch's ranks with equal counts.
+
+    :func:`balance_groups` uses it after packing groups; benchmarks use it to score other mini-batch
+    memberships (e.g. random whole-group assignment) with the same rank step.
+    """
+    c = _as_costs(costs)
+    mb = np.asarray(minibatch, dtype=np.int64).reshape(-1)
+    if mb.shape[0] != c.shape[0] or (mb.size and mb.min() < 0):
+        raise ValueError("minibatch must give a non-negative mini-batch index per cost")
+    counts = np.bincount(mb)
+    if mb.size and (np.any(counts != counts[0]) or counts[0] % dp_size):
+        raise ValueError(f"every mini-batch must hold the same multiple of dp_size={dp_size} samples, got {counts}")
+    return _assign_ranks(c, mb, counts.shape[0], operator.index(dp_size))
+
+
+def _assign_ranks(c: np.ndarray, sample_mb: np.ndarray, n_mb: int, dp_size: int) -> np.ndarray:
+    """Per mini-batch the best of three equal-count heuristics, then one swap polish over all of them."""
+    n = c.shape[0]
+    if dp_size == 1:
+        return np.zeros(n, dtype=np.int64)
+    rows = np.argsort(sample_mb, kind="stable").reshape(n_mb, -1)  # [K, M] sample indices
+    slots = np.empty((n_mb, dp_size, rows.shape[1] // dp_size), dtype=np.int64)
+    floor = np.empty(n_mb)
+    for j in range(n_mb):
+        x = c[rows[j]]
+        slots[j] = rows[j][_slots_of(_equal_count_candidates(x, dp_size), dp_size)]
+        floor[j] = _bin_floor(x, dp_size)
+    _refine_swaps(slots, c, floor)
+    sample_rank = np.empty(n, dtype=np.int64)
+    sample_rank[slots.reshape(n_mb, -1)] = np.repeat(np.arange(dp_size), slots.shape[2])[None, :]
+    return sample_rank
 
 
 def _ranks_keeping_groups(
@@ -867,6 +1125,95 @@ def evaluate_permutation(
     return _evaluate(p, c, codes, dp_size, mini_batch_size)
 
 
+def efficiency_lower_bound(
+    costs: Sequence[float] | np.ndarray,
+    group_keys: Sequence[Hashable] | np.ndarray,
+    *,
+    dp_size: int,
+    mini_batch_size: int,
+) -> float:
+    """A floor on ``efficiency`` for *every* layout that keeps groups whole in mini-batches of equal size.
+
+    Unlike ``BalanceStats.efficiency_bound`` (which fixes the mini-batches and bounds only the rank step),
+    this bound lets mini-batch membership vary. With S the total cost, m = mini_batch_size / dp_size,
+    e the sum of the m - 1 cheapest samples of the batch, and for any layout y_j the heaviest sample of
+    mini-batch j and S_j its total:
+
+    * The slowest rank of mini-batch j costs at least max(S_j / dp, y_j + e) (it holds the heaviest
+      sample and m - 1 others).
+    * Sort groups by their heaviest sample (``head``), heaviest first, and let t_j be the head of the
+      group covering sample position j * M (0-based, j = 0..K-1). Ordering mini-batches by y, the j-th
+      has y >= t_j: otherwise every group with head >= t_j -- more than j * M samples -- would have to
+      fit into the j mini-batches before it.
+    * A mini-batch whose heaviest sample is y holds only groups with head <= y, so S_j <= C(y), the most
+      cost M samples of such groups can carry (fractional knapsack by cost per sample, an over-estimate).
+
+    Summing: sum_j max(S_j/dp, y_j + e) = S/dp + sum_j max(0, y_j + e - S_j/dp)
+    >= S/dp + sum_j min_{y >= t_j} max(0, y + e - C(y)/dp), and also >= sum_j (t_j + e). The larger of
+    the two, divided by S/dp, is returned (1.0 for an all-zero batch). It ignores that the rank holding
+    the heaviest sample may need more than the cheapest companions, so it can be loose where many
+    heavy samples share a mini-batch; it is never above the optimum.
+    """
+    dp_size, mini_batch_size = operator.index(dp_size), operator.index(mini_batch_size)
+    c = _as_costs(costs)
+    n = c.shape[0]
+    codes, _ = _factorize(group_keys, n)
+    n_mb = check_layout(n, dp_size, mini_batch_size)
+    total = float(c.sum())
+    if total <= 0:
+        return 1.0
+    per_rank = mini_batch_size // dp_size
+    sizes = np.bincount(codes)
+    if sizes.max() > mini_batch_size:
+        raise BalanceInfeasibleError(f"a group has {sizes.max()} samples > mini_batch_size={mini_batch_size}")
+    g_cost = np.bincount(codes, weights=c)
+    by_group = np.argsort(codes, kind="stable")
+    heads = np.maximum.reduceat(c[by_group], np.concatenate(([0], np.cumsum(sizes)[:-1])))
+    extra = float(np.sort(c)[: per_rank - 1].sum())
+
+    order = np.argsort(-heads, kind="stable")
+    t = heads[order][np.searchsorted(np.cumsum(sizes[order]), np.arange(n_mb) * mini_batch_size, side="right")]
+
+    # C(y) at every distinct head y, groups added in ascending head order into a Fenwick tree indexed by
+    # cost-per-sample rank; the densest M samples are found by binary descent.
+    n_groups = sizes.shape[0]
+    density = g_cost / sizes
+    dens_order = np.argsort(-density, kind="stable")
+    slot = np.empty(n_groups, dtype=np.int64)
+    slot[dens_order] = np.arange(n_groups)
+    dens_sorted = density[dens_order].tolist()
+    fen_size = [0] * (n_groups + 1)
+    fen_cost = [0.0] * (n_groups + 1)
+    top_bit = 1 << (n_groups.bit_length() - 1)
+    distinct = np.unique(heads)
+    psi = np.empty(distinct.shape[0])
+    asc = np.argsort(heads, kind="stable")
+    asc_heads = heads[asc].tolist()
+    i = 0
+    for d, y in enumerate(distinct.tolist()):
+        while i < n_groups and asc_heads[i] <= y:
+            g = int(asc[i])
+            k = int(slot[g]) + 1
+            while k <= n_groups:
+                fen_size[k] += int(sizes[g])
+                fen_cost[k] += float(g_cost[g])
+                k += k & -k
+            i += 1
+        pos, got, cap, step = 0, 0, 0.0, top_bit
+        while step:  # largest prefix (in density order) holding fewer than M samples
+            nxt = pos + step
+            if nxt <= n_groups and got + fen_size[nxt] < mini_batch_size:
+                pos, got, cap = nxt, got + fen_size[nxt], cap + fen_cost[nxt]
+            step >>= 1
+        if pos < n_groups:  # slot pos + 1 holds the group that crosses M: take the fraction that fits
+            cap += (mini_batch_size - got) * dens_sorted[pos]
+        psi[d] = max(0.0, y + extra - cap / dp_size)
+    suffix_min = np.minimum.accumulate(psi[::-1])[::-1]
+    lb_fill = total / dp_size + float(suffix_min[np.searchsorted(distinct, t)].sum())
+    lb_heads = float((t + extra).sum())
+    return max(lb_fill, lb_heads) / (total / dp_size)
+
+
 def _evaluate(
     perm: np.ndarray,
     c: np.ndarray,
@@ -885,10 +1232,7 @@ def _evaluate(
     mb_mean = rank_cost.mean(axis=0)
     total = float(c.sum())
     ideal = total / dp_size
-    # Lower bound for equal-count ranks: the rank holding a mini-batch's largest sample also holds at
-    # least m-1 other samples, so it costs at least that sample plus the m-1 cheapest ones.
-    mb_sorted = np.sort(new_cost.transpose(1, 0, 2).reshape(n_mb, -1), axis=1)
-    floor = mb_sorted[:, -1] + mb_sorted[:, : per_rank - 1].sum(axis=1)
+    floor = _rank_floor(np.sort(new_cost.transpose(1, 0, 2).reshape(n_mb, -1), axis=1), dp_size)
     if ideal > 0:
         efficiency = float(mb_max.sum() / ideal)
         bound = float(np.maximum(mb_mean, floor).sum() / ideal)
@@ -917,6 +1261,46 @@ def _evaluate(
         fallback_groups_split=fallback_groups_split,
         rank_fallback_minibatches=rank_fallback_minibatches,
     )
+
+
+def _rounds_step_time(sorted_costs: np.ndarray, dp_size: int) -> float:
+    """Sum over mini-batches (rows of ascending costs) of the slowest rank under round-based largest-first,
+    all mini-batches at once: a cheap stand-in for the rank step when comparing two memberships."""
+    n_mb, size = sorted_costs.shape
+    desc = sorted_costs[:, ::-1]
+    loads = np.zeros((n_mb, dp_size))
+    rows = np.arange(n_mb)[:, None]
+    for start in range(0, size, dp_size):
+        lightest_first = np.argsort(loads, axis=1, kind="stable")
+        loads[rows, lightest_first] += desc[:, start : start + dp_size]
+    return float(loads.max(axis=1).sum())
+
+
+# r in the rank floor goes up to this many heaviest samples ([K, r, q] table stays small; any r is valid).
+_FLOOR_MAX_R = 64
+
+
+def _rank_floor(sorted_costs: np.ndarray, dp_size: int) -> np.ndarray:
+    """Per mini-batch (rows of ascending costs), a floor no equal-count rank assignment can beat.
+
+    Take the r heaviest samples; say they sit on q ranks (ceil(r/m) <= q <= r). Those q ranks hold q*m
+    samples: the r heavy ones and q*m - r others costing at least the q*m - r cheapest, so the heaviest
+    of them costs at least (top_r + cheapest_{q*m-r}) / q. Every q is possible, so the minimum over q is
+    a floor; every r gives one, so the maximum over r is too (r = 1 is the heaviest sample plus the m - 1
+    cheapest). It is at least the mean, which is r = q = dp.
+    """
+    n_mb, size = sorted_costs.shape
+    m = size // dp_size
+    r_max = min(dp_size, _FLOOR_MAX_R)
+    cheap = np.concatenate((np.zeros((n_mb, 1)), np.cumsum(sorted_costs, axis=1)), axis=1)  # [K, M+1]
+    top = np.concatenate((np.zeros((n_mb, 1)), np.cumsum(sorted_costs[:, ::-1][:, :r_max], axis=1)), axis=1)
+    r = np.arange(1, r_max + 1)[:, None]
+    q = np.arange(1, r_max + 1)[None, :]
+    valid = (q <= r) & (q * m >= r)
+    rest = np.clip(q * m - r, 0, size)
+    table = (top[:, r[:, 0]][:, :, None] + cheap[:, rest]) / q  # [K, r, q]
+    table = np.where(valid[None], table, np.inf)
+    return np.maximum(table.min(axis=2).max(axis=1), cheap[:, -1] / dp_size)
 
 
 def _count_multi(codes: np.ndarray, where: np.ndarray, n_where: int, n_groups: int) -> int:

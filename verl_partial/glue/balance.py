@@ -150,5 +150,13 @@ def _keys_and_costs(batch: DataProto, config: BalanceConfig, model_config: Any) 
             f"balance.group_key={config.group_key!r} is not a non-tensor key of the batch; "
             f"available non-tensor keys: {sorted(batch.non_tensor_batch)}"
         )
+    try:
+        dict.fromkeys(keys)
+    except TypeError as exc:
+        raise ValueError(
+            f"balance.group_key={config.group_key!r} must name a column of hashable values (str, int, tuple, ...): "
+            f"rows with equal values form a group, but hashing one failed ({exc}). Point balance.group_key at a "
+            "string or integer id column (e.g. 'uid', or a trajectory id)"
+        ) from exc
     mask = batch.batch["attention_mask"]
     return keys, sample_costs(mask.reshape(mask.shape[0], -1).sum(-1), config.cost, model_config)
