@@ -1,103 +1,268 @@
-"""The agent loop that runs one segment of a partial rollout inside verl's AgentLoopWorker.
+"""The worker side of partial rollout: segments and the hand-over, run inside verl's AgentLoopWorker.
 
-A segment continues a sample from its exact token ids (never from decoded text): the prompt is
-tokenised once, on the first segment, and every later segment sends ``prompt_ids + tokens so far``
-with ``max_tokens`` = the remaining budget the pool granted. The worker's own post-processing then
-pads the full response and, for a finished sample only, computes its reward -- so the row verl
-trains on is produced by verl's code, unchanged.
+Why here: verl's AgentLoopWorker already holds what a segment needs (tokenizer, verl's continuous-token prompt
+builder, sampling parameters from the rollout config) and what the hand-over needs (verl's own padding, position
+ids and reward call: ``_agent_loop_postprocess`` and ``_postprocess``). The driver only schedules.
 
-Multi-turn: a tool loop resumes the same way -- its parked state (prompt ids, response ids with
-their mask, log-probs, versions) is already per token; it would add its turn state to the segment
-dict and run tool calls between generate calls, as verl's ToolAgentLoop does.
+* :meth:`PartialAgentLoopWorker.run_segments` takes one wave's calls for this worker in ONE Ray call and streams a
+  compact :class:`SegmentAnswer` back per call as soon as it ends (a Ray streaming generator). Each call goes to
+  the server the driver's router chose, by its actor handle, with the call's own request id, so
+  :meth:`cancel_segments` can cancel that very request at its server. A group's prompt is tokenised once (verl's
+  ``ct_build_initial_tokens``) and cached here until the driver has the ids.
+* :meth:`PartialAgentLoopWorker.hand_over` builds verl's padded rows and rewards for finished samples only, once,
+  when their groups go to training.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import ray
+from verl import DataProto
 from verl.experimental.agent_loop.agent_loop import (
     AgentLoopBase,
     AgentLoopMetrics,
     AgentLoopOutput,
     AgentLoopWorker,
-    register,
+    DictConfigWrap,
 )
-from verl.utils.profiler import simple_timer
 
-PARTIAL_AGENT_NAME = "verl_partial_segment"
-SEGMENT_KEY = "partial_segment"
-# Extra fields the segment returns; the manager strips them from the training batch.
-RESULT_FIELDS = ("partial_new_ids", "partial_new_log_probs", "partial_eos", "partial_prompt_ids", "partial_route")
-# Servers that say who they are (our CPU server does) let the pool check sticky routing.
-ROUTE_FIELD = "server_address"
+from verl_partial.core.finish import Finish, eos_id_set
+from verl_partial.core.pool import LOG_PROB_DTYPE, TOKEN_DTYPE
+from verl_partial.glue.engines import engine_adapter
 
-# The training batch never needs a reward for a half-finished response; a placeholder score makes
-# verl's worker skip the reward call for it. The row is discarded by the manager.
-_UNFINISHED_REWARD_PLACEHOLDER = 0.0
+# Test hook: seconds every call waits in the worker before it is sent to its server, so that calls are in transit
+# (launched, not yet at the server) at a step end on purpose -- on any engine. Unset in real runs.
+TRANSIT_DELAY_ENV = "VERL_PARTIAL_TRANSIT_DELAY_S"
 
 
-def ends_with_eos(new_ids: list[int], max_tokens: int, stop_reason: str | None, eos_ids: set[int]) -> bool:
-    """Did this segment end the response (EOS or a stop token), as opposed to hitting its budget or an abort?
+@dataclass(frozen=True)
+class SegmentCall:
+    """One generate call, as the driver sends it: no dataset row, only what the server needs.
 
-    vLLM and our CPU engine both report EOS and max_tokens as "completed"; a segment shorter than
-    its budget that completed must have stopped on its own.
+    ``prompt_ids`` is sent once the driver knows them; before that, the group's first call to this worker
+    carries ``raw_prompt`` and later ones neither (the worker's cache tokenises once per group).
     """
-    if not new_ids:
-        return False
-    if new_ids[-1] in eos_ids:
-        return True
-    return stop_reason == "completed" and len(new_ids) < max_tokens
+
+    request_id: str
+    server: str
+    group_key: str
+    prefix: np.ndarray  # int32, the sample's response tokens so far
+    max_new_tokens: int
+    prompt_ids: np.ndarray | None = None
+    raw_prompt: Any = None
 
 
-@register(PARTIAL_AGENT_NAME)
-class PartialSegmentAgentLoop(AgentLoopBase):
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.response_length = self.rollout_config.response_length
-        eos = self.tokenizer.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+@dataclass(frozen=True)
+class SegmentAnswer:
+    """What a call produced, streamed back to the driver: new tokens only, or the error it raised."""
+
+    request_id: str
+    new_ids: np.ndarray  # int32
+    new_log_probs: np.ndarray  # float32
+    finish: Finish
+    server_version: int | None
+    prompt_ids: np.ndarray | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class FinishedSample:
+    """A finished sample at hand-over: exact ids and log-probs, nothing padded."""
+
+    prompt_ids: np.ndarray  # int32
+    token_ids: np.ndarray  # int32
+    log_probs: np.ndarray  # float32
+
+
+def _empty_answer(call: SegmentCall, server_version: int | None = None, error: str | None = None) -> SegmentAnswer:
+    return SegmentAnswer(
+        call.request_id,
+        np.zeros(0, TOKEN_DTYPE),
+        np.zeros(0, LOG_PROB_DTYPE),
+        Finish.ABORTED,
+        server_version,
+        error=error,
+    )
+
+
+class PromptBuilder(AgentLoopBase):
+    """verl's agent-loop base, used for its continuous-token prompt builder only (never selected as a loop).
+
+    Partial rollout tokenises exactly as verl's single-turn loop does (``ct_build_initial_tokens``), so a sample's
+    prompt ids are the ones verl would have trained on.
+    """
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
-        segment: dict[str, Any] = kwargs[SEGMENT_KEY]
-        prompt_ids: list[int] | None = segment["prompt_ids"]
-        if prompt_ids is None:
-            prompt_ids = await self.ct_build_initial_tokens(list(kwargs["raw_prompt"]))
-        prefix_ids: list[int] = list(segment["prefix_ids"])
-        prefix_log_probs: list[float] = list(segment["prefix_log_probs"])
-        max_tokens = int(segment["max_new_tokens"])
-        metrics: dict[str, Any] = {}
-        with simple_timer("generate_sequences", metrics):
-            output = await self.server_manager.generate(
-                request_id=segment["request_id"],
-                prompt_ids=prompt_ids + prefix_ids,
-                sampling_params={**sampling_params, "max_tokens": max_tokens, "logprobs": True},
-            )
-        new_ids = list(output.token_ids)[:max_tokens]
-        if output.log_probs is None or len(output.log_probs) < len(new_ids):
-            raise RuntimeError("partial rollout needs per-token log-probs from the rollout server")
-        new_log_probs = [float(value) for value in output.log_probs[: len(new_ids)]]
-        eos = ends_with_eos(new_ids, max_tokens, output.stop_reason, self.eos_ids)
-        response_ids = prefix_ids + new_ids
-        finished = eos or len(response_ids) >= self.response_length
-        return AgentLoopOutput(
-            prompt_ids=prompt_ids,
-            response_ids=response_ids,
-            response_mask=[1] * len(response_ids),
-            response_logprobs=prefix_log_probs + new_log_probs,
-            reward_score=None if finished else _UNFINISHED_REWARD_PLACEHOLDER,
-            num_turns=2,
-            metrics=AgentLoopMetrics(generate_sequences=metrics.get("generate_sequences", 0.0)),
-            extra_fields={
-                "partial_new_ids": new_ids,
-                "partial_new_log_probs": new_log_probs,
-                "partial_eos": eos,
-                "partial_prompt_ids": prompt_ids,
-                "partial_route": output.extra_fields.get(ROUTE_FIELD),
-                "turn_scores": [],
-                "tool_rewards": [],
-            },
-        )
+        raise TypeError("PromptBuilder only tokenises prompts; segments run in PartialAgentLoopWorker.run_segments")
 
 
 class PartialAgentLoopWorker(AgentLoopWorker):
-    """verl's AgentLoopWorker; defined here so that unpickling it in the worker registers our agent loop."""
+    """verl's AgentLoopWorker plus streaming segments, cancellation and the hand-over of finished samples."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.engine = engine_adapter(self.rollout_config.name)
+        generation_config = self.model_config.generation_config
+        self.eos_from_model = eos_id_set(
+            self.tokenizer.eos_token_id, getattr(generation_config, "eos_token_id", None) if generation_config else None
+        )
+        self.servers: dict[str, Any] = {}
+        self.prompts: dict[str, asyncio.Future[np.ndarray]] = {}
+        # Per call of ours: its task here, and its server call once sent.
+        self.tasks: dict[str, asyncio.Task[SegmentAnswer]] = {}
+        self.sent: dict[str, ray.ObjectRef] = {}
+        self.transit_delay_s = float(os.environ.get(TRANSIT_DELAY_ENV, "0") or 0)
+        self.builder: PromptBuilder | None = None
+
+    def set_servers(self, servers: dict[str, Any]) -> None:
+        """Server address -> server actor handle, from verl's replicas (the router's choices are addresses)."""
+        self.servers = dict(servers)
+
+    def sampling_params(self) -> dict[str, Any]:
+        """verl's own sampling parameters for training rollouts (AgentLoopWorker.generate_sequences)."""
+        config = self.rollout_config
+        return dict(
+            temperature=config.temperature,
+            top_p=config.top_p,
+            top_k=config.top_k,
+            repetition_penalty=1.0,
+            logprobs=config.calculate_log_probs,
+        )
+
+    # ---------------------------------------------------------------- segments
+    async def run_segments(self, calls: list[SegmentCall], forget: list[str]) -> AsyncIterator[SegmentAnswer]:
+        """Run one wave's calls concurrently; yield each answer as it ends (call with ``num_returns="streaming"``).
+
+        ``forget``: groups whose prompt ids the driver now holds (their cached tokenisation is dropped).
+        """
+        for key in forget:
+            self.prompts.pop(key, None)
+        sampling = self.sampling_params()
+        tasks = []
+        for call in calls:  # registered before any of them runs, so a cancel can never miss a call of this wave
+            task = asyncio.ensure_future(self._segment(call, sampling))
+            self.tasks[call.request_id] = task
+            tasks.append(task)
+        try:
+            for next_done in asyncio.as_completed(tasks):
+                yield await next_done
+        finally:
+            # The driver stopped listening (cancelled or failed): nothing of this wave may keep generating.
+            self._cancel([call.request_id for call, task in zip(calls, tasks, strict=True) if not task.done()])
+
+    async def cancel_segments(self, request_ids: list[str]) -> None:
+        """Cancel these calls at their servers; each then answers ABORTED (with no tokens) through its stream."""
+        self._cancel(request_ids)
+
+    def _cancel(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            ref = self.sent.get(request_id)
+            if ref is not None:
+                # Cancels the server's generate coroutine (vLLM's AsyncLLM and our engine abort the request).
+                ray.cancel(ref)
+            elif request_id in self.tasks:
+                self.tasks[request_id].cancel()  # not sent yet: it never will be
+
+    async def _segment(self, call: SegmentCall, sampling: dict[str, Any]) -> SegmentAnswer:
+        try:
+            return await self._generate(call, sampling)
+        except (asyncio.CancelledError, ray.exceptions.TaskCancelledError):
+            return _empty_answer(call)
+        except Exception as error:  # answered as this call's failure; the wave's other calls go on
+            return _empty_answer(call, error=f"{type(error).__name__}: {error}")
+        finally:
+            self.tasks.pop(call.request_id, None)
+            self.sent.pop(call.request_id, None)
+
+    async def _generate(self, call: SegmentCall, sampling: dict[str, Any]) -> SegmentAnswer:
+        prompt_ids = call.prompt_ids
+        if prompt_ids is None:
+            prompt_ids = await self._prompt_ids(call)
+        if self.transit_delay_s:
+            await asyncio.sleep(self.transit_delay_s)
+        server = self.servers.get(call.server)
+        if server is None:
+            raise KeyError(f"no server at {call.server!r}; known: {sorted(self.servers)}")
+        ids = np.concatenate([prompt_ids, call.prefix]).tolist()
+        ref = server.generate.remote(
+            prompt_ids=ids,
+            sampling_params={**sampling, "max_tokens": call.max_new_tokens},
+            request_id=call.request_id,
+        )
+        self.sent[call.request_id] = ref
+        output = await ref
+        raw_ids = list(output.token_ids[: call.max_new_tokens])  # the server's own shape, as the mappers expect
+        new_ids = np.asarray(raw_ids, dtype=TOKEN_DTYPE)
+        if output.log_probs is None or len(output.log_probs) < len(new_ids):
+            if len(new_ids):
+                raise RuntimeError("partial rollout needs per-token log-probs from the rollout server")
+        new_log_probs = np.asarray((output.log_probs or [])[: len(new_ids)], dtype=LOG_PROB_DTYPE)
+        eos_ids = self.eos_from_model | eos_id_set(sampling.get("stop_token_ids"))
+        finish = self.engine.finish(output.stop_reason, raw_ids, call.max_new_tokens, eos_ids)
+        return SegmentAnswer(
+            call.request_id,
+            new_ids,
+            new_log_probs,
+            finish,
+            output.extra_fields.get("global_steps"),
+            prompt_ids=prompt_ids if call.prompt_ids is None else None,
+        )
+
+    async def _prompt_ids(self, call: SegmentCall) -> np.ndarray:
+        """The group's prompt ids, tokenised once per group on this worker (concurrent calls share it)."""
+        cached = self.prompts.get(call.group_key)
+        if cached is None:
+            if call.raw_prompt is None:
+                raise RuntimeError(f"group {call.group_key}: neither prompt ids nor its prompt reached this worker")
+            cached = asyncio.ensure_future(self._tokenise(call.raw_prompt))
+            self.prompts[call.group_key] = cached
+        return await asyncio.shield(cached)
+
+    async def _tokenise(self, raw_prompt: Any) -> np.ndarray:
+        if self.builder is None:
+            self.builder = PromptBuilder(
+                trainer_config=DictConfigWrap(config=self.config),
+                server_manager=self.llm_client,
+                tokenizer=self.tokenizer,
+                processor=self.processor,
+                dataset_cls=self.dataset_cls,
+                data_config=DictConfigWrap(self.config.data),
+                hf_model_type=self.hf_model_type,
+            )
+        messages = list(raw_prompt)
+        if await self.builder.process_multi_modal_info(messages):
+            raise ValueError("partial rollout supports text prompts only; this prompt carries images/videos/audio")
+        return np.asarray(await self.builder.ct_build_initial_tokens(messages), dtype=TOKEN_DTYPE)
+
+    # ---------------------------------------------------------------- hand-over
+    async def hand_over(self, rows: DataProto, samples: list[FinishedSample]) -> DataProto:
+        """verl's rows for finished samples: ``_agent_loop_postprocess`` per sample (padding, position ids, reward)
+        and ``_postprocess`` for the chunk, exactly as ``generate_sequences`` does for its own outputs."""
+        if len(rows) != len(samples):
+            raise ValueError(f"hand-over of {len(samples)} samples for {len(rows)} rows")
+        fields = rows.non_tensor_batch
+        outputs = await asyncio.gather(
+            *[
+                self._agent_loop_postprocess(
+                    AgentLoopOutput(
+                        prompt_ids=sample.prompt_ids.tolist(),
+                        response_ids=sample.token_ids.tolist(),
+                        response_mask=[1] * len(sample.token_ids),
+                        response_logprobs=sample.log_probs.tolist(),
+                        num_turns=2,
+                        metrics=AgentLoopMetrics(),
+                        extra_fields={"turn_scores": [], "tool_rewards": []},
+                    ),
+                    False,
+                    **{key: value[index] for key, value in fields.items()},
+                )
+                for index, sample in enumerate(samples)
+            ]
+        )
+        return self._postprocess(list(outputs), input_non_tensor_batch=fields, validate=False)

@@ -19,10 +19,11 @@ metrics keep their meaning (see ``verl_patches``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -31,15 +32,12 @@ import torch
 from verl import DataProto
 from verl.experimental.agent_loop.agent_loop import AgentLoopManager
 
+from verl_partial.core.finish import Finish
 from verl_partial.core.partial_config import PartialConfig
-from verl_partial.core.pool import GroupState, RolloutPool, SegmentRequest
-from verl_partial.core.scheduler import SegmentResult, StepResult, run_step
-from verl_partial.glue.partial_agent_loop import (
-    PARTIAL_AGENT_NAME,
-    RESULT_FIELDS,
-    SEGMENT_KEY,
-    PartialAgentLoopWorker,
-)
+from verl_partial.core.pool import GroupState, RolloutPool, SegmentRequest, SegmentResult
+from verl_partial.core.scheduler import StepResult, run_step
+from verl_partial.glue.engines import EngineAdapter, engine_adapter
+from verl_partial.glue.partial_agent_loop import FinishedSample, PartialAgentLoopWorker, SegmentAnswer, SegmentCall
 
 logger = logging.getLogger("verl_partial.partial")
 
@@ -126,52 +124,159 @@ class PromptStream:
 
 
 # ---------------------------------------------------------------------------------------------- backend
-class AgentLoopSegmentBackend:
-    """Runs one segment per call on verl's AgentLoopWorkers; aborts/resumes through verl's replicas."""
+# Calls launched within this window go out together (one Ray call per worker). Admissions arrive one finished
+# group at a time; the window merges them into fewer calls while delaying a new group's start by at most this
+# much, which an engine already holding hundreds of requests never notices.
+LAUNCH_WINDOW_S = 0.05
+WORKER_MAX_CONCURRENCY = 100_000
 
-    def __init__(self, manager: PartialAgentLoopManager, replicas: list[Any], step: int) -> None:
-        self.manager = manager
+
+class WorkerSegmentBackend:
+    """The scheduler's backend (PROTOCOL: launch / cancel / abort_all / resume) over verl's AgentLoopWorkers.
+
+    A group's calls always go to the same worker (``group_id % workers``), so its prompt is tokenised once and a
+    wave of new groups costs one Ray call per worker it touches. Results stream back per call
+    (:meth:`PartialAgentLoopWorker.run_segments`). Lives as long as the loader: it remembers which groups' prompts
+    each worker has cached.
+    """
+
+    def __init__(self, workers: list[Any], servers: dict[str, Any], replicas: list[Any], engine: EngineAdapter) -> None:
+        self.workers = workers
         self.replicas = replicas
-        self.step = step
+        self.engine = engine
+        self._servers = list(servers)
+        self.pool: RolloutPool[Row] | None = None
+        self.futures: dict[str, asyncio.Future[SegmentResult]] = {}
+        self.calls: dict[str, tuple[int, str]] = {}  # request id -> (worker, server) of calls sent
+        self.pending: dict[int, list[tuple[SegmentCall, asyncio.Future[SegmentResult]]]] = {}
+        self.flush_handle: asyncio.TimerHandle | None = None
+        self.streams: set[asyncio.Task[None]] = set()
+        # Groups whose raw prompt went to a worker and whose ids the pool does not hold yet, per worker.
+        self.prompt_sent: dict[int, set[str]] = {index: set() for index in range(len(workers))}
 
-    async def generate(self, group: GroupState[Row], request: SegmentRequest) -> SegmentResult:
-        sample = group.samples[request.ref.index]
-        segment = {
-            "request_id": request.request_id,
-            "prompt_ids": group.prompt_ids,
-            "prefix_ids": request.prefix_ids,
-            "prefix_log_probs": list(sample.log_probs),
-            "max_new_tokens": request.max_new_tokens,
-        }
-        non_tensor: dict[str, np.ndarray] = {}
-        for key, value in group.prompt.items():
-            if isinstance(value, torch.Tensor):
-                continue
-            array = np.empty(1, dtype=object)
-            array[0] = value
-            non_tensor[key] = array
-        for key, value in ((SEGMENT_KEY, segment), ("agent_name", PARTIAL_AGENT_NAME)):
-            array = np.empty(1, dtype=object)
-            array[0] = value
-            non_tensor[key] = array
-        row = DataProto(batch=None, non_tensor_batch=non_tensor, meta_info={"global_steps": self.step})
-        worker = self.manager.worker_for(request.request_id)
-        output: DataProto = await worker.generate_sequences.remote(row)
-        fields = output.non_tensor_batch
-        return SegmentResult(
-            new_ids=[int(t) for t in fields["partial_new_ids"][0]],
-            new_log_probs=[float(v) for v in fields["partial_new_log_probs"][0]],
-            eos=bool(fields["partial_eos"][0]),
-            prompt_ids=[int(t) for t in fields["partial_prompt_ids"][0]],
-            output=output,
-            route=fields["partial_route"][0],
+    @property
+    def servers(self) -> list[str]:
+        return self._servers
+
+    def begin_step(self, pool: RolloutPool[Row]) -> None:
+        """Each step runs on its own event loop (``asyncio.run``): nothing of the last one's loop may linger."""
+        if self.pending:
+            raise RuntimeError("calls of the previous step were never sent nor cancelled")
+        if self.flush_handle is not None:
+            self.flush_handle.cancel()
+            self.flush_handle = None
+        # Calls the scheduler abandoned last step (their server never answered the cancel) are forgotten.
+        self.futures.clear()
+        self.calls.clear()
+        self.pool = pool
+
+    def launch(self, wave: list[tuple[GroupState[Row], SegmentRequest]]) -> list[asyncio.Future[SegmentResult]]:
+        loop = asyncio.get_running_loop()
+        futures = []
+        for group, request in wave:
+            worker = group.group_id % len(self.workers)
+            sample = group.samples[request.ref.index]
+            prompt_ids, raw_prompt = group.prompt_ids, None
+            if prompt_ids is None and group.key not in self.prompt_sent[worker]:
+                raw_prompt = group.prompt["raw_prompt"]
+                self.prompt_sent[worker].add(group.key)
+            call = SegmentCall(
+                request_id=request.request_id,
+                server=request.server,
+                group_key=group.key,
+                prefix=sample.token_ids[: request.prefix_len],
+                max_new_tokens=request.max_new_tokens,
+                prompt_ids=prompt_ids,
+                raw_prompt=raw_prompt,
+            )
+            future: asyncio.Future[SegmentResult] = loop.create_future()
+            self.futures[request.request_id] = future
+            self.pending.setdefault(worker, []).append((call, future))
+            futures.append(future)
+        if self.flush_handle is None:
+            self.flush_handle = loop.call_later(LAUNCH_WINDOW_S, self._flush)
+        return futures
+
+    def _flush(self) -> None:
+        self.flush_handle = None
+        pending, self.pending = self.pending, {}
+        groups = self.pool.groups.values() if self.pool is not None else ()
+        unknown = {group.key for group in groups if group.prompt_ids is None}
+        for worker, items in pending.items():
+            calls = [call for call, _ in items]
+            known = self.prompt_sent[worker] - unknown
+            self.prompt_sent[worker] -= known
+            stream = self.workers[worker].run_segments.options(num_returns="streaming").remote(calls, sorted(known))
+            for call in calls:
+                self.calls[call.request_id] = (worker, call.server)
+            task = asyncio.ensure_future(self._receive(stream, calls))
+            self.streams.add(task)
+            task.add_done_callback(self.streams.discard)
+
+    async def _receive(self, stream: Any, calls: list[SegmentCall]) -> None:
+        try:
+            async for ref in stream:
+                answer: SegmentAnswer = await ref
+                self._resolve(answer)
+        except Exception as error:  # the worker died: every call of this wave still open fails
+            for call in calls:
+                future = self.futures.pop(call.request_id, None)
+                self.calls.pop(call.request_id, None)
+                if future is not None and not future.done():
+                    future.set_exception(RuntimeError(f"AgentLoopWorker stream failed: {error!r}"))
+
+    def _resolve(self, answer: SegmentAnswer) -> None:
+        future = self.futures.pop(answer.request_id, None)
+        _, server = self.calls.pop(answer.request_id, (None, ""))
+        if future is None or future.done():
+            return
+        if answer.error is not None:
+            future.set_exception(RuntimeError(f"generate call {answer.request_id} on {server}: {answer.error}"))
+            return
+        future.set_result(
+            SegmentResult(
+                new_ids=answer.new_ids,
+                new_log_probs=answer.new_log_probs,
+                finish=answer.finish,
+                server=server,
+                server_version=answer.server_version,
+                prompt_ids=answer.prompt_ids,
+            )
         )
 
+    async def cancel(self, requests: list[SegmentRequest]) -> None:
+        by_worker: dict[int, list[str]] = {}
+        for request in requests:
+            if self._drop_pending(request.request_id):
+                continue
+            sent = self.calls.get(request.request_id)
+            if sent is not None:
+                by_worker.setdefault(sent[0], []).append(request.request_id)
+        await asyncio.gather(*[self.workers[w].cancel_segments.remote(ids) for w, ids in by_worker.items()])
+
+    def _drop_pending(self, request_id: str) -> bool:
+        """A call still waiting for its launch window is never sent: it ends ABORTED with no tokens."""
+        for items in self.pending.values():
+            for position, (call, future) in enumerate(items):
+                if call.request_id == request_id:
+                    del items[position]
+                    self.futures.pop(request_id, None)
+                    future.set_result(
+                        SegmentResult(
+                            new_ids=call.prefix[:0],
+                            new_log_probs=np.zeros(0, dtype=np.float32),
+                            finish=Finish.ABORTED,
+                            server=call.server,
+                        )
+                    )
+                    return True
+        return False
+
     async def abort_all(self) -> None:
-        await asyncio.gather(*[replica.abort_all_requests() for replica in self.replicas])
+        await self.engine.abort_all(self.replicas)
 
     async def resume(self) -> None:
-        await asyncio.gather(*[replica.resume_generation() for replica in self.replicas])
+        await self.engine.resume(self.replicas)
 
 
 # ---------------------------------------------------------------------------------------------- manager
@@ -179,16 +284,38 @@ class PartialAgentLoopManager(AgentLoopManager):
     """verl's AgentLoopManager plus the hand-over of groups finished by partial rollout."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.agent_loop_workers_class = ray.remote(PartialAgentLoopWorker)
+        # A worker holds one streaming call per launch wave until its slowest segment ends; the concurrency cap
+        # must never make a cancel wait behind them (Ray's default for async actors is 1000).
+        self.agent_loop_workers_class = ray.remote(max_concurrency=WORKER_MAX_CONCURRENCY)(PartialAgentLoopWorker)
         super().__init__(*args, **kwargs)
         self._prepared: dict[str, GroupState[Row]] | None = None
         self._prepared_meta: dict[str, Any] = {}
+        self._backend: WorkerSegmentBackend | None = None
+        self._on_hand_over: Callable[[list[tuple[GroupState[Row], int]], DataProto], None] | None = None
 
-    def worker_for(self, request_id: str) -> Any:
-        # Same sample, same worker: keeps its segments' bookkeeping on one process.
-        return self.agent_loop_workers[hash(request_id) % len(self.agent_loop_workers)]
+    def segment_backend(self, server_manager: Any) -> WorkerSegmentBackend:
+        """The backend over this manager's workers and ``server_manager``'s servers (verl's LLMServerManager)."""
+        if self._backend is None:
+            servers = dict(zip(server_manager.server_addresses, server_manager.server_handles, strict=True))
+            ray.get([worker.set_servers.remote(servers) for worker in self.agent_loop_workers])
+            self._backend = WorkerSegmentBackend(
+                self.agent_loop_workers,
+                servers,
+                server_manager.get_replicas(),
+                engine_adapter(self.rollout_config.name),
+            )
+        return self._backend
 
-    def prepare(self, result: StepResult[Row], version: int, extra_metrics: dict[str, float]) -> None:
+    def prepare(
+        self,
+        result: StepResult[Row],
+        version: int,
+        extra_metrics: dict[str, float],
+        on_hand_over: Callable[[list[tuple[GroupState[Row], int]], DataProto], None] | None = None,
+    ) -> None:
+        """Hold this step's finished groups until ``fit()`` asks for them; ``on_hand_over(order, output)`` sees
+        the rows built for them (``order[i]`` = group and sample index of row ``i``)."""
+        self._on_hand_over = on_hand_over
         self._prepared = {group.key: group for group in result.trained}
         self._prepared_meta = {
             "metrics": {**result.metrics, **extra_metrics},
@@ -207,37 +334,56 @@ class PartialAgentLoopManager(AgentLoopManager):
         return self._hand_over(prompts)
 
     def _hand_over(self, prompts: DataProto) -> DataProto:
+        """verl's rows for the prepared groups, built by the workers in worker-sized chunks of whole groups."""
         if self._prepared is None:
             raise RuntimeError("partial rollout has no prepared groups for this training step")
         prepared, self._prepared = self._prepared, None
         keys = prompts.non_tensor_batch[PARTIAL_KEY]
-        rows, versions, next_sample = [], [], dict.fromkeys(prepared, 0)
-        response_length = self.rollout_config.response_length
+        order, next_sample = [], dict.fromkeys(prepared, 0)
         for key in keys:
-            sample = prepared[key].samples[next_sample[key]]
+            order.append((prepared[key], next_sample[key]))
             next_sample[key] += 1
-            rows.append(sample.output)
-            version_row = torch.full((response_length,), -1, dtype=torch.int64)
-            version_row[: len(sample.versions)] = torch.tensor(sample.versions, dtype=torch.int64)
-            versions.append(version_row)
+        samples = [group.samples[index] for group, index in order]
         if any(count != len(prepared[key].samples) for key, count in next_sample.items()):
             raise RuntimeError("the trainer's batch does not hold every sample of the prepared groups")
-        row_metrics = [row.meta_info.pop("metrics") for row in rows]
-        output = DataProto.concat(rows)
-        for key in (SEGMENT_KEY, PARTIAL_KEY, "agent_name", *RESULT_FIELDS):
-            output.non_tensor_batch.pop(key, None)
-        # Keys both sides hold must match row for row in fit()'s union: take the trainer's own values.
-        for key, value in prompts.non_tensor_batch.items():
-            if key in output.non_tensor_batch:
-                output.non_tensor_batch[key] = value
-        output.batch[VERSION_KEY] = torch.stack(versions)
+        rows = DataProto(batch=prompts.batch, non_tensor_batch=dict(prompts.non_tensor_batch), meta_info={})
+        rows.non_tensor_batch.pop(PARTIAL_KEY)
+        bounds = _chunk_bounds(keys, len(self.agent_loop_workers))
+        chunks = [
+            worker.hand_over.remote(
+                rows[start:stop],
+                [
+                    FinishedSample(prepared[keys[i]].prompt_ids, sample.token_ids, sample.log_probs)
+                    for i, sample in zip(range(start, stop), samples[start:stop], strict=True)
+                ],
+            )
+            for worker, (start, stop) in zip(self.agent_loop_workers, bounds, strict=False)
+        ]
+        outputs: list[DataProto] = ray.get(chunks)
+        row_metrics = [output.meta_info.pop("metrics") for output in outputs]
+        output = DataProto.concat(outputs)
+        response_length = self.rollout_config.response_length
+        versions = torch.full((len(samples), response_length), -1, dtype=torch.int32)
+        for row, sample in enumerate(samples):
+            versions[row, : len(sample.versions)] = torch.from_numpy(sample.versions)
+        output.batch[VERSION_KEY] = versions
         timing = self._performance_metrics(row_metrics, output)
         output.meta_info = {
             **{k: v for k, v in output.meta_info.items() if k != "metrics"},
             "timing": timing,
             META_KEY: self._prepared_meta,
         }
+        if self._on_hand_over is not None:
+            self._on_hand_over(order, output)
         return output
+
+
+def _chunk_bounds(keys: np.ndarray, chunks: int) -> list[tuple[int, int]]:
+    """Row ranges of about equal size that never cut a group (rows of one group are consecutive)."""
+    starts = [0] + [i for i in range(1, len(keys)) if keys[i] != keys[i - 1]]
+    groups = np.array_split(np.arange(len(starts)), min(chunks, len(starts)))
+    ends = starts[1:] + [len(keys)]
+    return [(starts[part[0]], ends[part[-1]]) for part in groups if len(part)]
 
 
 # ---------------------------------------------------------------------------------------------- loader
@@ -278,8 +424,12 @@ class PartialRolloutLoader:
                 "verl_partial.glue.partial_rollout.PartialAgentLoopManager (set by +partial=...)"
             )
         step = trainer.global_steps
-        backend = AgentLoopSegmentBackend(manager, trainer.llm_server_manager.get_replicas(), step)
-        result = asyncio.run(run_step(self.pool, backend, self.stream, step=step, version=step - 1))
+        backend = manager.segment_backend(trainer.llm_server_manager)
+        backend.begin_step(self.pool)
+        # Generation for step t runs on the weights synced after step t-1 (verl: update_weights(global_steps)).
+        result = asyncio.run(
+            run_step(self.pool, backend, self.stream, step=step, version=step - 1, server_version=step - 1)
+        )
         extra: dict[str, float] = {}
         if step >= trainer.total_training_steps:
             # Prompts already drawn from verl's dataloader but not yet admitted are as untrained as in-flight groups.
@@ -290,9 +440,9 @@ class PartialRolloutLoader:
                 len(self.pool.groups),
                 held_back,
             )
-        manager.prepare(result, step - 1, extra)
+        dump = None if self.config.dump_dir is None else functools.partial(self._dump, step)
+        manager.prepare(result, step - 1, extra, on_hand_over=dump)
         self._write_ledger(step)
-        self._dump(step, result.trained)
         rows = []
         for group in result.trained:
             rows.append({**group.prompt, PARTIAL_KEY: group.key})
@@ -307,25 +457,26 @@ class PartialRolloutLoader:
             for event, key in events:
                 ledger.write(json.dumps({"step": step, "event": event, "key": key}) + "\n")
 
-    def _dump(self, step: int, groups: list[GroupState[Row]]) -> None:
-        if self.config.dump_dir is None:
-            return
-        samples = [
-            {
-                "key": group.key,
-                "prompt_id": prompt_identity(group.prompt),
-                "index": index,
-                "prompt_ids": group.prompt_ids,
-                "token_ids": sample.token_ids,
-                "log_probs": sample.log_probs,
-                "versions": sample.versions,
-                "segments": sample.segments,
-                # The padded row verl trains on, to check it holds exactly these tokens.
-                "trained_responses": sample.output.batch["responses"][0].tolist(),
-            }
-            for group in groups
-            for index, sample in enumerate(group.samples)
-        ]
+    def _dump(self, step: int, order: list[tuple[GroupState[Row], int]], output: DataProto) -> None:
+        """Every trained sample as generated (ids, log-probs, versions) next to the padded row verl trains on."""
+        responses = output.batch["responses"]
+        samples = []
+        for row, (group, index) in enumerate(order):
+            sample = group.samples[index]
+            samples.append(
+                {
+                    "key": group.key,
+                    "prompt_id": prompt_identity(group.prompt),
+                    "index": index,
+                    "prompt_ids": group.prompt_ids.tolist(),
+                    "token_ids": sample.token_ids.tolist(),
+                    "log_probs": sample.log_probs.tolist(),
+                    "versions": sample.versions.tolist(),
+                    "segments": sample.segments,
+                    "finish": sample.finish.value if sample.finish is not None else None,
+                    "trained_responses": responses[row, : len(sample.token_ids)].tolist(),
+                }
+            )
         os.makedirs(self.config.dump_dir, exist_ok=True)
         torch.save(
             {"step": step, "version": step - 1, "samples": samples},
