@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from omegaconf import DictConfig, OmegaConf
 
 from verl_partial.core.balance_config import BalanceConfig
+from verl_partial.core.finish import check_model_len, finish_mapper
 from verl_partial.core.partial_config import PartialConfig
 from verl_partial.cpu_backend.config import BackendConfig
 
@@ -114,6 +115,19 @@ def check_partial_against_trainer(config: DictConfig) -> None:
             "actor_rollout_ref.rollout.multi_turn.enable must be false: partial rollout does not drive multi-turn "
             f"agent loops yet (got default_agent_loop={agent_loop}, multi_turn.enable={multi_turn})"
         )
+    checks: list[tuple[Any, tuple[Any, ...]]] = [
+        (
+            check_model_len,
+            (rollout.get("max_model_len"), config.data.max_prompt_length, config.data.max_response_length),
+        )
+    ]
+    if rollout.get("name") is not None:  # verl requires a name; only bare test configs lack it
+        checks.append((finish_mapper, (str(rollout.name),)))  # an engine whose stop reasons we have not read
+    for check, args in checks:
+        try:
+            check(*args)
+        except ValueError as error:
+            problems.append(str(error))
     if problems:
         raise ValueError("partial rollout cannot run with this config:\n  - " + "\n  - ".join(problems))
 
