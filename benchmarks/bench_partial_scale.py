@@ -387,7 +387,7 @@ def run_mode(mode: str, scale: Scale, cache: Path) -> dict[str, Any]:
     )
     client = LLMServerClient(config, load_balancer_handle=router)
     loader = PromptLoader(tokenizer, scale, batches=scale.steps + 4)
-    results: dict[str, Any] = {"mode": mode, "prompt_tokens": loader.prompt_len, "steps": []}
+    results: dict[str, Any] = {"mode": mode, "prompt_tokens": loader.prompt_len, "steps": [], "own_calls": 0}
 
     if mode == "verl":
         manager = AgentLoopManager.create(config, llm_client=client)
@@ -420,7 +420,6 @@ def run_mode(mode: str, scale: Scale, cache: Path) -> dict[str, Any]:
 
         def step(index: int) -> tuple[float, float, int]:
             trainer.global_steps = index + 1
-            ray.get([handle.set_global_steps.remote(index) for handle in handles])
             wall, cpu = time.perf_counter(), time.thread_time()
             batch = DataProto.from_single_dict(next(iterator)).repeat(scale.n, interleave=True)
             results.setdefault("rollout", []).append((time.perf_counter() - wall, time.thread_time() - cpu))
@@ -435,9 +434,13 @@ def run_mode(mode: str, scale: Scale, cache: Path) -> dict[str, Any]:
         return sum(counts)
 
     for index in range(scale.steps):
-        before, worker_before = meters.snapshot(), worker_calls()
+        # The weight sync of the step before (servers report global_steps = step - 1); not part of the rollout.
+        ray.get([handle.set_global_steps.remote(index) for handle in handles])
+        worker_before = worker_calls()
+        before = meters.snapshot()
         wall, cpu, rows = step(index)
-        after, worker_after = meters.snapshot(), worker_calls()
+        after = meters.snapshot()
+        worker_after = worker_calls()
         record = {
             "step": index + 1,
             "rows": rows,
@@ -489,12 +492,16 @@ def run_child(mode: str, scale: Scale, cache: Path, pythonpath: str | None) -> d
     return json.loads(completed.stdout.strip().splitlines()[-1])
 
 
-def summarise(result: dict[str, Any]) -> dict[str, float]:
+def summarise(scale: Scale, result: dict[str, Any]) -> dict[str, float]:
     # The first step pays one-off costs (worker start-up, first tokenisation) in every mode: warm-up.
     steps = result["steps"][1:] or result["steps"]
     mean = lambda key: sum(s[key] for s in steps) / len(steps)  # noqa: E731
+    # Results of the first runs counted the benchmark's own calls (counting queries, weight-version pushes) in the
+    # step: servers + 1 per step, plus servers for the partial modes. Later runs measure outside the step.
+    servers = scale.servers
+    own = result.get("own_calls", servers + 1 + (servers if result["mode"] != "verl" else 0))
     summary = {
-        "ray_calls": mean("ray_calls"),
+        "ray_calls": mean("ray_calls") - own,
         "mib_out": mean("bytes_out") / 2**20,
         "mib_in": mean("bytes_in") / 2**20,
         "peak_rss_mib": result["peak_rss_mib"],
@@ -539,6 +546,7 @@ def main() -> int:
     parser.add_argument("--cache", default=str(Path.home() / ".cache" / "verl-partial" / "demo"))
     parser.add_argument("--json", help="append raw per-mode results (JSON lines) here")
     parser.add_argument("--out", help="markdown file whose results block is replaced")
+    parser.add_argument("--from-json", help="render the table from results stored with --json instead of measuring")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--scale", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -549,6 +557,12 @@ def main() -> int:
         return 0
     modes = list(args.modes) + (["partial-old"] if args.old_tree else [])
     rows = []
+    if args.from_json:
+        for line in Path(args.from_json).read_text().splitlines():
+            record = json.loads(line)
+            scale = Scale(**record.pop("scale"))
+            rows.append((scale, record["label"], summarise(scale, record)))
+        args.prompts = []
     for prompts in args.prompts:
         scale = Scale(
             prompts=prompts,
@@ -564,8 +578,8 @@ def main() -> int:
             result = run_child(mode, scale, cache, args.old_tree if mode.endswith("-old") else None)
             if args.json:
                 with open(args.json, "a") as sink:
-                    sink.write(json.dumps({"scale": asdict(scale), **result}) + "\n")
-            rows.append((scale, mode, summarise(result)))
+                    sink.write(json.dumps({"scale": asdict(scale), "label": mode, **result}) + "\n")
+            rows.append((scale, mode, summarise(scale, result)))
             print(table(rows[-1:]).splitlines()[-1], flush=True)
     report = table(rows)
     print(report)
