@@ -59,6 +59,19 @@ BAD_CONFIGS: list[tuple[tuple[str, ...], str]] = [
     (("+balance=group", "trainer.use_v1=false", "balance.keep_group_on_rank=2"), "balance.keep_group_on_rank"),
     (("+balance=group", "trainer.use_v1=false", "balance.group_key=''"), "balance.group_key"),
     (("+balance=group", "trainer.use_v1=false", "+balance.unknown=1"), "balance.unknown"),
+    # teammate D's critic rules (config.check_balance_critic); GAE, verl's default estimator, trains a critic
+    (("+balance=group", "trainer.use_v1=false", "critic.shuffle=true"), "critic.shuffle"),
+    (("+balance=group", "trainer.use_v1=false", "critic.ppo_mini_batch_size=64"), "critic.ppo_mini_batch_size"),
+    (
+        (
+            "+balance=group",
+            "trainer.use_v1=false",
+            "critic.enable=true",
+            "algorithm.adv_estimator=grpo",
+            "critic.shuffle=true",
+        ),
+        "critic.shuffle",
+    ),
     (("+balance=group", "trainer.use_v1=true"), "trainer.use_v1"),
     (("+balance=group",), "trainer.use_v1"),  # verl's default trainer is v1
     # --- rollout correction: our block ------------------------------------------------------------
