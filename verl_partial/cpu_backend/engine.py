@@ -195,6 +195,11 @@ class CpuBatchedEngine:
         return len(self._waiting)
 
     @property
+    def request_ids(self) -> list[str]:
+        """Ids of the requests waiting or running (what an abort-all would end)."""
+        return list(self._requests)
+
+    @property
     def stats(self) -> EngineStats:
         return dataclasses.replace(self._stats)
 

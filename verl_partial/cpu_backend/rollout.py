@@ -110,6 +110,11 @@ class CpuRolloutServer:
             max_model_len=self.max_model_len,
             logprobs_mode=self.config.logprobs_mode,
         )
+        # verl's vLLMHttpServer submission gate (vllm_async_server.py): closed by abort_all_requests, opened by
+        # resume_generation; a request arriving while it is closed parks (or, when rejecting, is refused).
+        self._submission_paused = False
+        self._rejecting = False
+        self._resume_event: asyncio.Event | None = None
 
     def _eos_token_ids(self, model) -> set[int]:
         ids: set[int] = set()
@@ -149,14 +154,41 @@ class CpuRolloutServer:
             )
         params = to_engine_params(sampling_params, default_max_tokens=min(self.config.response_length, room))
         params.max_tokens = max(1, min(params.max_tokens, room))
+        rejected = await self._park_until_admitted(request_id)
+        if rejected is not None:
+            return rejected
+        # No await between admission and the engine registering the request: an abort that closes the gate
+        # after this line finds the request in the engine (vLLM needs its _admitting barrier for the same).
         result = await self.engine.generate(request_id, prompt_ids, params)
         return TokenOutput(
             token_ids=result.token_ids,
             log_probs=result.log_probs,
             # verl's vLLM server reports EOS and max_tokens both as "completed".
             stop_reason="aborted" if result.stop_reason == "aborted" else "completed",
-            extra_fields={"global_steps": self.global_steps, "server_address": self.get_server_address()},
+            extra_fields={"global_steps": self.global_steps},
         )
+
+    def _gate(self) -> asyncio.Event:
+        if self._resume_event is None:
+            self._resume_event = asyncio.Event()
+            self._resume_event.set()
+        return self._resume_event
+
+    async def _park_until_admitted(self, request_id: str) -> TokenOutput | None:
+        """verl's ``vLLMHttpServer._park_until_admitted``: wait out a closed gate, or refuse the request when the
+        gate rejects late arrivals (no tokens, ``stop_reason="aborted"``, ``log_probs=None``). A parked request
+        is not known to the engine, so ``abort_request`` does not find it; cancelling the call frees it."""
+        while self._submission_paused:
+            if self._rejecting:
+                logger.debug("rejecting request %s behind a closed gate", request_id)
+                return TokenOutput(
+                    token_ids=[],
+                    log_probs=None,
+                    stop_reason="aborted",
+                    extra_fields={"global_steps": self.global_steps},
+                )
+            await self._gate().wait()
+        return None
 
     async def load_weights(self, named_tensors: dict[str, torch.Tensor], global_steps: int | None) -> None:
         self.engine.load_weights(named_tensors.items())
@@ -166,17 +198,27 @@ class CpuRolloutServer:
         self.global_steps = global_steps
 
     async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict:
-        # Like vLLM's pause_generation: in-flight requests return what they have, new ones wait for resume.
+        """verl's vLLM ``abort_all_requests``: close the gate (declaring whether late arrivals park or are
+        refused), then abort every request in the engine -- running ones return all their tokens so far, queued
+        ones none, all as ``"aborted"``. The engine stays paused until :meth:`resume_generation`."""
+        self._submission_paused, self._rejecting = True, reject_request
+        self._gate().clear()
+        request_ids = self.engine.request_ids
         self.engine.pause()
-        aborted = await self.engine.abort_all()
-        return {"aborted_count": aborted, "request_ids": []}
+        await self.engine.abort_all()
+        return {"aborted_count": len(request_ids), "request_ids": request_ids}
 
     async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict:
-        aborted = await self.engine.abort(request_id)
-        return {"aborted": aborted, "request_id": request_id}
+        """Abort one request the engine knows (running: its tokens so far; queued: none). Like vLLM, a request
+        parked at the gate is not found; cancel its call instead."""
+        if not await self.engine.abort(request_id):
+            return {"aborted": False, "error": f"Request {request_id} not found"}
+        return {"aborted": True, "request_id": request_id}
 
     async def resume_generation(self) -> None:
         self.engine.resume()
+        self._submission_paused, self._rejecting = False, False
+        self._gate().set()
 
     async def wait_for_requests_to_drain(self) -> None:
         while self.engine.num_running or self.engine.num_waiting:
