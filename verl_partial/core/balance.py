@@ -69,6 +69,8 @@ _MAX_SWAP_MATRIX = 250_000
 # keep_group_on_rank: a whole-group rank layout is kept unless cutting a few groups across ranks gives a
 # max rank cost more than 5% lower (cutting only loses some prefix sharing; imbalance costs every step).
 _KEEP_WHOLE_SLACK = 0.05
+# Heap entries a unit may skip for lack of room before the heaviness packer scans all bins instead.
+_HEAP_TRIES = 4
 # Two candidate memberships whose rank floors differ by more than this fraction: keep the lower floor
 # (the rank step lands within about 1 % of it at small m); closer calls are settled by a cheap rank step.
 _CHOICE_MARGIN = 0.01
@@ -787,16 +789,18 @@ def _pack_by_heaviness(
     leaders = order[np.searchsorted(cum, np.arange(n_bins) * capacity, side="right")]
     labels = np.full(n_units, -1, dtype=np.int64)
     labels[leaders] = np.arange(n_bins)
-    head_of_bin = heads[leaders].tolist()  # non-increasing in j
-    room = [capacity - int(x) for x in sizes[leaders].tolist()]
-    load = costs[leaders].tolist()
+    head_of_bin = heads[leaders].astype(np.float64)  # non-increasing in j
+    room = (capacity - sizes[leaders]).astype(np.int64)
+    load = costs[leaders].astype(np.float64)
+    # Python mirrors of the three arrays for the scalar hot path; numpy copies for the rare scans.
+    head_l, room_l, load_l = head_of_bin.tolist(), room.tolist(), load.tolist()
     stamp = [0] * n_bins  # bumped on every change; heap entries with an old stamp are stale
     inv_dp = 1.0 / dp_size
     is_leader = np.zeros(n_units, dtype=bool)
     is_leader[leaders] = True
     rest = order[~is_leader[order]]
     # bins whose leader head >= the unit's head: a prefix 0..reach-1, growing as heads fall
-    reach_of = np.searchsorted(-heads[leaders], -heads[rest], side="right").tolist()
+    reach_of = np.searchsorted(-head_of_bin, -heads[rest], side="right").tolist()
     out = labels.tolist()
     heap: list[tuple[float, int, int]] = []
     eligible = 0
@@ -804,37 +808,41 @@ def _pack_by_heaviness(
         rest.tolist(), reach_of, sizes[rest].tolist(), costs[rest].tolist(), heads[rest].tolist(), strict=True
     ):
         while eligible < reach:
-            if room[eligible] > 0:
-                heapq.heappush(heap, (load[eligible] * inv_dp - head_of_bin[eligible], eligible, 0))
+            if room_l[eligible] > 0:
+                heapq.heappush(heap, (load_l[eligible] * inv_dp - head_l[eligible], eligible, stamp[eligible]))
             eligible += 1
+        b = -1
         skipped = []
-        while heap:
+        while heap and len(skipped) < _HEAP_TRIES:
             entry = heapq.heappop(heap)
-            b = entry[1]
-            if entry[2] != stamp[b]:
+            if entry[2] != stamp[entry[1]]:
                 continue
-            if room[b] < s:
+            if room_l[entry[1]] < s:
                 skipped.append(entry)
                 continue
-            out[u] = b
-            room[b] -= s
-            load[b] += cost
-            stamp[b] += 1
-            if room[b] > 0:
-                heapq.heappush(heap, (load[b] * inv_dp - head_of_bin[b], b, stamp[b]))
+            b = entry[1]
             break
         for entry in skipped:
             heapq.heappush(heap, entry)
-        if out[u] < 0:
-            # The eligible bins' room is fragmented (unequal sizes): take the heaviest-led bin beyond them
-            # that fits, raising its head as little as possible.
-            b = next((b for b in range(reach, n_bins) if room[b] >= s), -1)
-            if b >= 0:
-                out[u] = b
-                room[b] -= s
-                load[b] += cost
-                stamp[b] += 1
-                head_of_bin[b] = max(head_of_bin[b], head)
+        if b < 0:
+            # Room is fragmented (unequal sizes): scan the eligible bins for the largest deficit that fits,
+            # else take the heaviest-led bin beyond them that fits, raising its head as little as possible.
+            fits = np.flatnonzero(room[:reach] >= s)
+            if fits.size:
+                b = int(fits[np.argmax(head_of_bin[fits] - load[fits] * inv_dp)])
+            else:
+                beyond = np.flatnonzero(room[reach:] >= s)
+                if beyond.size == 0:
+                    continue  # stranded: the caller repairs
+                b = reach + int(beyond[0])
+                head_l[b] = head_of_bin[b] = max(head_l[b], head)
+        out[u] = b
+        room_l[b] -= s
+        load_l[b] += cost
+        room[b], load[b] = room_l[b], load_l[b]
+        stamp[b] += 1
+        if room_l[b] > 0 and b < eligible:
+            heapq.heappush(heap, (load_l[b] * inv_dp - head_l[b], b, stamp[b]))
     return np.asarray(out, dtype=np.int64)
 
 
@@ -968,6 +976,10 @@ def balance_groups(
 
     def membership(packing: _Packing) -> tuple[np.ndarray, set[int]]:
         """Mini-batch per sample, and the groups the packing cut across mini-batches."""
+        if unit_samples is None and packing.origin.shape[0] == g_sizes.shape[0]:  # each group whole, once
+            group_mb = np.empty(g_sizes.shape[0], dtype=np.int64)
+            group_mb[packing.origin] = packing.labels
+            return group_mb[codes], set()
         sample_mb = np.empty(n, dtype=np.int64)
         cut_groups = set(presplit)
         consumed: dict[int, int] = {}
