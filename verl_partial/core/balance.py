@@ -17,18 +17,24 @@ Layout contract (what verl does after ``batch.reorder(perm)``)::
 
 Algorithm
 ---------
-1. Pack groups into K mini-batches of exactly M samples, spreading expensive groups evenly (largest cost
-   first onto the lightest mini-batch with room), so every optimizer step sees a representative mix of
-   lengths. Equal group sizes dividing M take an equal-count fast path; unequal sizes get an exact-fill
-   repair (subset-sum DP) when the greedy strands groups, then a complete backtracking search for the
-   hard few-large-groups cases. If nothing fits: error, or with ``on_infeasible="split"`` the fewest
-   groups the packer needs are cut (counted).
+1. Pack groups into K mini-batches of exactly M samples, two ways, and keep the better:
+   * heavy together (:func:`_pack_by_heaviness`): with few rows per rank (small m) a mini-batch's slowest
+     rank is set by its longest sample, so mini-batches are led by groups in order of their longest
+     sample and topped up, heaviest first, where the heavy rank still stands alone;
+   * spread (:func:`_pack_exact`): expensive groups spread evenly (largest cost first onto the lightest
+     mini-batch with room), a representative mix of lengths per step. Equal group sizes dividing M take
+     an equal-count fast path; unequal sizes get an exact-fill repair (subset-sum DP) when the greedy
+     strands groups, then a complete backtracking search for the hard few-large-groups cases.
+   The choice goes by the rank floor of each membership, close calls by a cheap rank step, ties to
+   spread. If nothing fits: error, or with ``on_infeasible="split"`` the fewest groups the packer needs
+   are cut (counted).
 2. Inside each mini-batch, assign samples to dp ranks with exactly m each, minimising the largest rank
-   cost: equal-count Karmarkar-Karp and round-based largest-first both run (KK tends to win with many
-   samples per rank, largest-first on heavy tails with few), the better is kept and polished with pairwise
-   swaps. With ``keep_group_on_rank`` whole groups are packed into rank slots of exactly m samples instead
-   (same packer as step 1); where whole groups cannot fill the slots, or only with a >5% worse max rank
-   cost, a few groups are cut across ranks inside that mini-batch and the mini-batch is counted.
+   cost (:func:`assign_ranks`): equal-count Karmarkar-Karp, round-based and count-capped largest-first all
+   run (KK tends to win with many samples per rank, largest-first on heavy tails with few), the best is
+   kept, then one swap polish runs over all mini-batches at once. With ``keep_group_on_rank`` whole
+   groups are packed into rank slots of exactly m samples instead (same exact packer); where whole groups
+   cannot fill the slots, or only with a >5% worse max rank cost, a few groups are cut across ranks
+   inside that mini-batch and the mini-batch is counted.
 3. Emit the permutation: rank-major, then mini-batch, then group (a group's rows stay adjacent).
 
 Everything that is reported is recomputed from the final permutation by :func:`evaluate_permutation`,
@@ -102,9 +108,10 @@ class BalanceStats:
         minibatch_max_rank_cost: Per mini-batch, the largest rank cost (what the step waits for).
         minibatch_mean_rank_cost: Per mini-batch, the mean rank cost (the perfectly balanced time).
         efficiency: sum_j max_rank_cost_j / (total_cost / dp). 1.0 means no rank ever waits.
-        efficiency_bound: Same sum with each max replaced by a lower bound for that mini-batch,
-            max(mean rank cost, largest sample + the m-1 cheapest samples): no rank assignment of the same
-            mini-batches can do better, so efficiency - efficiency_bound is what the rank step leaves.
+        efficiency_bound: Same sum with each max replaced by the rank floor of that mini-batch
+            (:func:`_rank_floor`: the r heaviest samples with the cheapest rows their ranks must also hold):
+            no rank assignment of the same mini-batches can do better, so efficiency - efficiency_bound is
+            what the rank step leaves. It says nothing about membership: see :func:`efficiency_lower_bound`.
         fallback_groups_split: Groups deliberately cut by ``on_infeasible="split"``.
         rank_fallback_minibatches: Mini-batches where ``keep_group_on_rank`` could not be honoured.
     """
@@ -202,16 +209,22 @@ def _factorize(keys: Sequence[Hashable] | np.ndarray, n: int) -> tuple[np.ndarra
 
 def _lpt_rounds(costs: np.ndarray, k: int) -> np.ndarray:
     """Round-based largest-first: each round hands the k largest remaining items, largest to lightest bin."""
-    n = costs.shape[0]
-    order = np.argsort(-costs, kind="stable")
-    labels = np.empty(n, dtype=np.int64)
-    loads = np.zeros(k, dtype=np.float64)
+    return _lpt_rounds_batched(costs[None, :], k)[0][0]
+
+
+def _lpt_rounds_batched(costs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_lpt_rounds` on every row of ``costs`` at once: (labels per row, bin loads per row)."""
+    n_rows, n = costs.shape
+    order = np.argsort(-costs, axis=1, kind="stable")
+    desc = np.take_along_axis(costs, order, axis=1)
+    labels = np.empty((n_rows, n), dtype=np.int64)
+    loads = np.zeros((n_rows, k), dtype=np.float64)
+    rows = np.arange(n_rows)[:, None]
     for start in range(0, n, k):
-        idx = order[start : start + k]
-        bins = np.argsort(loads, kind="stable")
-        loads[bins] += costs[idx]
-        labels[idx] = bins
-    return labels
+        bins = np.argsort(loads, axis=1, kind="stable")
+        loads[rows, bins] += desc[:, start : start + k]
+        labels[rows, order[:, start : start + k]] = bins
+    return labels, loads
 
 
 def _kk_equal(costs: np.ndarray, k: int) -> np.ndarray:
@@ -1275,17 +1288,10 @@ def _evaluate(
     )
 
 
-def _rounds_step_time(sorted_costs: np.ndarray, dp_size: int) -> float:
-    """Sum over mini-batches (rows of ascending costs) of the slowest rank under round-based largest-first,
-    all mini-batches at once: a cheap stand-in for the rank step when comparing two memberships."""
-    n_mb, size = sorted_costs.shape
-    desc = sorted_costs[:, ::-1]
-    loads = np.zeros((n_mb, dp_size))
-    rows = np.arange(n_mb)[:, None]
-    for start in range(0, size, dp_size):
-        lightest_first = np.argsort(loads, axis=1, kind="stable")
-        loads[rows, lightest_first] += desc[:, start : start + dp_size]
-    return float(loads.max(axis=1).sum())
+def _rounds_step_time(by_minibatch: np.ndarray, dp_size: int) -> float:
+    """Sum over mini-batches (rows) of the slowest rank under round-based largest-first, all mini-batches at
+    once: a cheap stand-in for the rank step when comparing two memberships."""
+    return float(_lpt_rounds_batched(by_minibatch, dp_size)[1].max(axis=1).sum())
 
 
 # r in the rank floor goes up to this many heaviest samples ([K, r, q] table stays small; any r is valid).
