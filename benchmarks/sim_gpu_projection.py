@@ -5,9 +5,9 @@ samples per step; prompt 256 tokens; response lengths lognormal with median 1,02
 at 32,768; a 512-prompt data set (an epoch every 4 steps, so the on-policy mode has each prompt's history from
 the second epoch on). Modes: sync, the default preset, keep, kimi, on_policy, on_policy with over-provisioning.
 
-Length bias: Qwen2.5-7B, the heavier tail (p99/p50 = 20), 64 prompts x 16 per step, every staleness policy x
-extra_groups in {4, 16, 64}; KS distance of trained lengths to the unbiased distribution, thrown-away tokens,
-longest wait of a group in steps, and the speed-up.
+Length bias: one Qwen2.5-7B server (one GPU's share of the projection: 16 prompts x 16 per step), the heavier
+tail (p99/p50 = 20), every staleness policy x extra_groups in {1, 4, 8, 16} (1/16 to 1 x batch); KS distance of
+trained lengths to the unbiased distribution, thrown-away tokens, longest wait of a group in steps, speed-up.
 
 All parameters were fixed before the first run; nothing is tuned to a result.
 """
@@ -50,16 +50,18 @@ def projection(steps: int) -> list[dict[str, object]]:
 
 
 def bias_sweep(steps: int) -> list[dict[str, object]]:
-    spec, servers = SETUPS["7B"]
-    load = Workload(batch=64, n=16, p50=1024, p99_over_p50=20.0, response_length=32768, prompts=4096)
-    limit = throughput_limit(spec, servers, load)
-    sync = simulate(PartialConfig(extra_groups=0, **NO_STALLS), load, spec, servers, steps)
+    """One 7B server's share of the projection workload (16 prompts x 16 per step), every staleness policy x
+    extra_groups in {1/16, 1/4, 1/2, 1} x batch, ``steps`` measured steps after 4 warm-up steps."""
+    spec = SETUPS["7B"][0]
+    load = Workload(batch=16, n=16, p50=1024, p99_over_p50=20.0, response_length=32768, prompts=4096)
+    limit = throughput_limit(spec, 1, load)
+    sync = simulate(PartialConfig(extra_groups=0, **NO_STALLS), load, spec, 1, steps)
     rows = [{"policy": "sync", "extra_groups": 0, **summarize(sync, sync, load, limit)}]
     print(json.dumps(rows[-1]), flush=True)
     for policy in ("restart", "drop", "keep"):
-        for extra in (4, 16, 64):
+        for extra in (1, 4, 8, 16):
             config = PartialConfig(extra_groups=extra, staleness_policy=policy, **NO_STALLS)
-            run = simulate(config, load, spec, servers, steps + 4).steady(4)
+            run = simulate(config, load, spec, 1, steps + 4).steady(4)
             rows.append({"policy": policy, "extra_groups": extra, **summarize(run, sync, load, limit)})
             print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -69,7 +71,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="benchmarks/results/sim_projection.json")
     parser.add_argument("--steps", type=int, default=8, help="measured steps per mode")
-    parser.add_argument("--bias-steps", type=int, default=24)
+    parser.add_argument("--bias-steps", type=int, default=40)
     parser.add_argument("--only", choices=("projection", "bias"))
     args = parser.parse_args()
     started = time.time()

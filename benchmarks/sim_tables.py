@@ -1,0 +1,72 @@
+"""Markdown tables of docs/gpu-projection.md from benchmarks/results/sim_projection.json (no simulation here)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+MODE_NAMES = {
+    "sync": "sync",
+    "partial": "partial (`default`: extra 4, restart, staleness 1)",
+    "keep": "`keep` (default + keep)",
+    "kimi": "`kimi` (budget 1024, extra 8, keep)",
+    "on_policy": "`on_policy` (staleness 0, longest first)",
+    "on_policy_over": "on_policy + 32 extra groups (restart)",
+}
+
+
+def projection_table(rows: list[dict]) -> str:
+    lines = [
+        "| model | p99/p50 | mode | rollout s/step (mean ± std) | speed-up vs sync | % of throughput limit "
+        "| staleness mean / max | tokens thrown away | KS vs unbiased | max group wait (steps) |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['model']} | {row['tail']:.0f} | {MODE_NAMES[row['mode']]} | {row['rollout_s']:.1f} ± "
+            f"{row['rollout_s_std']:.1f} | {row['speedup']:.2f}x | {row['share_of_limit']:.0%} | "
+            f"{row['staleness_mean']:.2f} / {row['staleness_max']:.0f} | {row['discarded_fraction']:.1%} | "
+            f"{row['ks_vs_sync']:.3f} | {row['max_group_wait']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def limits_table(rows: list[dict]) -> str:
+    seen: dict[tuple[str, float], float] = {}
+    for row in rows:
+        seen[(row["model"], row["tail"])] = row["limit_tokens_per_s"]
+    lines = ["| model | p99/p50 | engine-throughput limit, tokens/s (8 GPUs) |", "|---|---:|---:|"]
+    lines += [f"| {model} | {tail:.0f} | {limit:,.0f} |" for (model, tail), limit in seen.items()]
+    return "\n".join(lines)
+
+
+def bias_table(rows: list[dict]) -> str:
+    lines = [
+        "| staleness policy | extra_groups | speed-up vs sync | KS vs unbiased | mean trained length "
+        "| tokens thrown away | staleness mean / max | max group wait (steps) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['policy']} | {row['extra_groups']} | {row['speedup']:.2f}x | {row['ks_vs_sync']:.3f} | "
+            f"{row['mean_trained_length']:.0f} | {row['discarded_fraction']:.1%} | "
+            f"{row['staleness_mean']:.2f} / {row['staleness_max']:.0f} | {row['max_group_wait']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--results", default="benchmarks/results/sim_projection.json")
+    args = parser.parse_args()
+    report = json.loads(Path(args.results).read_text())
+    if "projection" in report:
+        print(limits_table(report["projection"]), end="\n\n")
+        print(projection_table(report["projection"]), end="\n\n")
+    if "bias" in report:
+        print(bias_table(report["bias"]))
+
+
+if __name__ == "__main__":
+    main()
