@@ -16,7 +16,9 @@ ids and reward call: ``_agent_loop_postprocess`` and ``_postprocess``). The driv
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -36,8 +38,10 @@ from verl_partial.core.finish import Finish, eos_id_set
 from verl_partial.core.pool import LOG_PROB_DTYPE, TOKEN_DTYPE
 from verl_partial.glue.engines import engine_adapter
 
-# Test hook: seconds every call waits in the worker before it is sent to its server, so that calls are in transit
-# (launched, not yet at the server) at a step end on purpose -- on any engine. Unset in real runs.
+logger = logging.getLogger("verl_partial.partial")
+
+# Test hook: every call waits a random 0..this many seconds in the worker before it is sent to its server, so that
+# calls are in transit (launched, not yet at the server) at a step end on purpose -- on any engine. Unset in real runs.
 TRANSIT_DELAY_ENV = "VERL_PARTIAL_TRANSIT_DELAY_S"
 
 
@@ -118,6 +122,10 @@ class PartialAgentLoopWorker(AgentLoopWorker):
         self.tasks: dict[str, asyncio.Task[SegmentAnswer]] = {}
         self.sent: dict[str, ray.ObjectRef] = {}
         self.transit_delay_s = float(os.environ.get(TRANSIT_DELAY_ENV, "0") or 0)
+        if self.transit_delay_s:
+            logger.warning("%s=%s: calls are held in this worker before they are sent", TRANSIT_DELAY_ENV,
+                           self.transit_delay_s)  # fmt: skip
+        self.transit_rng = random.Random(0)
         self.builder: PromptBuilder | None = None
 
     def set_servers(self, servers: dict[str, Any]) -> None:
@@ -185,7 +193,7 @@ class PartialAgentLoopWorker(AgentLoopWorker):
         if prompt_ids is None:
             prompt_ids = await self._prompt_ids(call)
         if self.transit_delay_s:
-            await asyncio.sleep(self.transit_delay_s)
+            await asyncio.sleep(self.transit_rng.uniform(0, self.transit_delay_s))
         server = self.servers.get(call.server)
         if server is None:
             raise KeyError(f"no server at {call.server!r}; known: {sorted(self.servers)}")
