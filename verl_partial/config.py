@@ -156,7 +156,8 @@ def uses_critic(config: DictConfig) -> bool:
 
 def check_balance_critic(config: DictConfig, *, critic_dp_size: int | None = None, actor_dp_size: int | None = None):
     """The critic trains on the same balanced batch (``RayPPOTrainer._update_critic``): its mini-batches keep
-    the groups only if it cuts them exactly like the actor -- same mini-batch size, same dp size, in order.
+    the groups only if each is a union of whole actor mini-batches -- a multiple of the actor's mini-batch
+    size, the same dp size, in order.
 
     The dp sizes are known only once the workers exist; the trainer hook passes them on the first step.
     """
@@ -164,11 +165,12 @@ def check_balance_critic(config: DictConfig, *, critic_dp_size: int | None = Non
     problems = []
     if critic.get("shuffle", False):
         problems.append("critic.shuffle must be false: a shuffled critic regroups its mini-batches per rank")
-    if critic.get("ppo_mini_batch_size") != actor.get("ppo_mini_batch_size"):
+    critic_mb, actor_mb = critic.get("ppo_mini_batch_size"), actor.get("ppo_mini_batch_size")
+    if not (isinstance(critic_mb, int) and isinstance(actor_mb, int) and actor_mb > 0 and critic_mb % actor_mb == 0):
         problems.append(
-            f"critic.ppo_mini_batch_size={critic.get('ppo_mini_batch_size')} must equal "
-            f"actor_rollout_ref.actor.ppo_mini_batch_size={actor.get('ppo_mini_batch_size')}: the balancer packs "
-            "groups into the actor's mini-batches, a different critic mini-batch cuts through them"
+            f"critic.ppo_mini_batch_size={critic_mb} must be a multiple of "
+            f"actor_rollout_ref.actor.ppo_mini_batch_size={actor_mb}: the balancer packs groups into the actor's "
+            "mini-batches, so a critic mini-batch must be a union of whole ones"
         )
     if critic_dp_size is not None and critic_dp_size != actor_dp_size:
         problems.append(

@@ -160,7 +160,7 @@ def composed(**dotted: object):
     ("overrides", "key"),
     [
         ({"critic.shuffle": True}, "critic.shuffle must be false"),
-        ({"critic.ppo_mini_batch_size": 64}, "critic.ppo_mini_batch_size=64 must equal"),
+        ({"critic.ppo_mini_batch_size": 48}, "critic.ppo_mini_batch_size=48 must be a multiple of"),
     ],
 )
 def test_critic_that_would_split_groups_fails_naming_the_key(overrides, key):
@@ -174,6 +174,11 @@ def test_critic_that_would_split_groups_fails_naming_the_key(overrides, key):
 def test_default_critic_follows_the_actor_and_passes():
     config = composed(**{"algorithm.adv_estimator": "gae"})
     check_balance_against_trainer(config)
+    # a critic mini-batch of two whole actor mini-batches keeps every group in one critic step
+    actor_mb = config.actor_rollout_ref.actor.ppo_mini_batch_size
+    check_balance_against_trainer(
+        composed(**{"algorithm.adv_estimator": "gae", "critic.ppo_mini_batch_size": 2 * actor_mb})
+    )
     check_balance_critic(config, critic_dp_size=4, actor_dp_size=4)
     with pytest.raises(ValueError, match=r"critic's data-parallel size \(2\) must equal the actor's \(4\)"):
         check_balance_critic(config, critic_dp_size=2, actor_dp_size=4)
