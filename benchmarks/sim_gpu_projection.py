@@ -6,7 +6,7 @@ at 32,768; a 512-prompt data set (an epoch every 4 steps, so the on-policy mode 
 the second epoch on). Modes: sync, the default preset, keep, kimi, on_policy, on_policy with over-provisioning.
 
 Length bias: one Qwen2.5-7B server (one GPU's share of the projection: 16 prompts x 16 per step), the heavier
-tail (p99/p50 = 20), every staleness policy x extra_groups in {1, 4, 8, 16} (1/16 to 1 x batch); KS distance of
+tail (p99/p50 = 20), every staleness policy x extra_groups in {1/16, 1/4, 1/2, 1} x batch; KS distance of
 trained lengths to the unbiased distribution, thrown-away tokens, longest wait of a group in steps, speed-up.
 
 All parameters were fixed before the first run; nothing is tuned to a result.
@@ -49,17 +49,17 @@ def projection(steps: int) -> list[dict[str, object]]:
     return rows
 
 
-def bias_sweep(steps: int) -> list[dict[str, object]]:
-    """One 7B server's share of the projection workload (16 prompts x 16 per step), every staleness policy x
-    extra_groups in {1/16, 1/4, 1/2, 1} x batch, ``steps`` measured steps after 4 warm-up steps."""
+def bias_sweep(steps: int, batch: int) -> list[dict[str, object]]:
+    """One 7B server's share of a job (``batch`` prompts x 16 per step), every staleness policy x extra_groups in
+    {1/16, 1/4, 1/2, 1} x batch, ``steps`` measured steps after 4 warm-up steps."""
     spec = SETUPS["7B"][0]
-    load = Workload(batch=16, n=16, p50=1024, p99_over_p50=20.0, response_length=32768, prompts=4096)
+    load = Workload(batch=batch, n=16, p50=1024, p99_over_p50=20.0, response_length=32768, prompts=4096)
     limit = throughput_limit(spec, 1, load)
     sync = simulate(PartialConfig(extra_groups=0, **NO_STALLS), load, spec, 1, steps)
     rows = [{"policy": "sync", "extra_groups": 0, **summarize(sync, sync, load, limit)}]
     print(json.dumps(rows[-1]), flush=True)
     for policy in ("restart", "drop", "keep"):
-        for extra in (1, 4, 8, 16):
+        for extra in sorted({max(1, batch // 16), batch // 4, batch // 2, batch}):
             config = PartialConfig(extra_groups=extra, staleness_policy=policy, **NO_STALLS)
             run = simulate(config, load, spec, 1, steps + 4).steady(4)
             rows.append({"policy": policy, "extra_groups": extra, **summarize(run, sync, load, limit)})
@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/sim_projection.json")
     parser.add_argument("--steps", type=int, default=8, help="measured steps per mode")
     parser.add_argument("--bias-steps", type=int, default=40)
+    parser.add_argument("--bias-batch", type=int, default=16, help="prompts per step on the one simulated server")
     parser.add_argument("--only", choices=("projection", "bias"))
     args = parser.parse_args()
     started = time.time()
@@ -80,7 +81,7 @@ def main() -> None:
     if args.only != "bias":
         report["projection"] = projection(args.steps)
     if args.only != "projection":
-        report["bias"] = bias_sweep(args.bias_steps)
+        report[f"bias_batch{args.bias_batch}"] = bias_sweep(args.bias_steps, args.bias_batch)
     report["cpu_seconds"] = time.time() - started
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

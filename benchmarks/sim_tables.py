@@ -64,8 +64,8 @@ def main() -> None:
     if "projection" in report:
         print(limits_table(report["projection"]), end="\n\n")
         print(projection_table(report["projection"]), end="\n\n")
-    if "bias" in report:
-        print(bias_table(report["bias"]))
+    for key in sorted(k for k in report if k.startswith("bias")):
+        print(key, bias_table(report[key]), sep="\n", end="\n\n")
 
 
 if __name__ == "__main__":
