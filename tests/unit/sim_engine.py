@@ -174,6 +174,11 @@ class SimEngine:
     def outstanding(self, server: str) -> int:
         return sum(c.state != "done" and c.request.server == server for c in self.calls.values())
 
+    def generating(self) -> list[str]:
+        """Calls decoding on a live server (a dead server generates nothing, whatever its calls' state)."""
+        now = self.now()
+        return [rid for rid in self.decoding if not self.server(self.calls[rid].request.server).dead(now)]
+
     def live_calls(self) -> list[SimCall]:
         """Calls that may still generate: unfinished, not told to abort, on a live server (a dead server's calls
         are lost with it)."""

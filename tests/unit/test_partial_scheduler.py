@@ -105,7 +105,7 @@ def simulate(
                 source.position = state[1]
             engine.version = step - 1
             result = await run_step(pool, engine, source, step=step, version=step - 1, server_version=step - 1)
-            assert not engine.decoding, "a call is still generating after the step returned"
+            assert not engine.generating(), "a call is still generating after the step returned"
             assert not engine.live_calls(), "a call is still pending at a live server after the step returned"
             before = engine.tokens_generated
             await asyncio.sleep(TRAIN_S)
