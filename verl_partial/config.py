@@ -93,6 +93,10 @@ def partial_config(config: DictConfig) -> PartialConfig | None:
     return parsed if parsed.enable else None
 
 
+# Agent loops partial rollout can park and resume: verl's single-turn loop and verl's tool agent loop.
+PARTIAL_AGENT_LOOPS = ("single_turn_agent", "tool_agent")
+
+
 def check_partial_against_trainer(config: DictConfig) -> None:
     """Combinations partial rollout cannot honour fail here, naming the verl key to change."""
     rollout = config.actor_rollout_ref.rollout
@@ -106,14 +110,12 @@ def check_partial_against_trainer(config: DictConfig) -> None:
     manager = rollout.get("agent", {}).get("agent_loop_manager_class")
     if manager != PARTIAL_MANAGER:
         problems.append(f"actor_rollout_ref.rollout.agent.agent_loop_manager_class must be {PARTIAL_MANAGER}")
-    # The segment path runs single-turn samples; a tool loop's prompts would silently run single-turn.
-    multi_turn = bool(rollout.get("multi_turn", {}).get("enable", False))
+    # The segment path runs verl's single-turn loop or its tool agent loop (verl_partial/glue/partial_tool_loop.py).
     agent_loop = rollout.get("agent", {}).get("default_agent_loop", "single_turn_agent")
-    if multi_turn or agent_loop != "single_turn_agent":
+    if agent_loop not in PARTIAL_AGENT_LOOPS:
         problems.append(
-            "actor_rollout_ref.rollout.agent.default_agent_loop must be single_turn_agent and "
-            "actor_rollout_ref.rollout.multi_turn.enable must be false: partial rollout does not drive multi-turn "
-            f"agent loops yet (got default_agent_loop={agent_loop}, multi_turn.enable={multi_turn})"
+            f"actor_rollout_ref.rollout.agent.default_agent_loop must be one of {list(PARTIAL_AGENT_LOOPS)} for "
+            f"partial rollout, got {agent_loop!r}"
         )
     checks: list[tuple[Any, tuple[Any, ...]]] = [
         (

@@ -87,8 +87,10 @@ def test_our_presets_validate_cleanly():
         ({"algorithm__adv_estimator": "remax"}, "algorithm.adv_estimator=remax"),
         ({"actor_rollout_ref__rollout__calculate_log_probs": False}, "calculate_log_probs must be true"),
         ({"actor_rollout_ref__rollout__agent__agent_loop_manager_class": None}, "agent_loop_manager_class"),
-        ({"actor_rollout_ref__rollout__multi_turn__enable": True}, r"multi_turn.enable must be false"),
-        ({"actor_rollout_ref__rollout__agent__default_agent_loop": "tool_agent"}, r"default_agent_loop=tool_agent"),
+        (
+            {"actor_rollout_ref__rollout__agent__default_agent_loop": "react_agent"},
+            r"default_agent_loop must be one of",
+        ),
         ({"partial__extra_groups": -2}, "partial.extra_groups"),
         ({"partial__staleness_policy": "ignore"}, r"partial.staleness_policy must be one of \['restart'"),
         ({"partial__no_such_knob": 1}, r"partial.no_such_knob"),

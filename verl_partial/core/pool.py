@@ -321,8 +321,10 @@ class RolloutPool(Generic[P]):
         return SegmentRequest(ref, request_id, len(sample.token_ids), budget, server)
 
     def check_server_version(self, result: SegmentResult) -> None:
-        """A server answering with other weights than this step's means the weight sync failed: stop."""
-        if self.server_version is not None and result.server_version != self.server_version:
+        """A server answering with other weights than this step's means the weight sync failed: stop. A result
+        without tokens (a tool-calls segment of a multi-turn sample, a call cancelled before its server answered)
+        generated nothing, so there is nothing to check."""
+        if self.server_version is not None and len(result.new_ids) and result.server_version != self.server_version:
             raise RuntimeError(
                 f"server {result.server} generated with global_steps={result.server_version} but step {self.step} "
                 f"expects global_steps={self.server_version}: its weights were not synced"

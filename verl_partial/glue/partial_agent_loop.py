@@ -36,7 +36,14 @@ from verl.experimental.agent_loop.agent_loop import (
 
 from verl_partial.core.finish import Finish, eos_id_set
 from verl_partial.core.pool import LOG_PROB_DTYPE, TOKEN_DTYPE
+from verl_partial.core.trajectory import Trajectory
 from verl_partial.glue.engines import engine_adapter
+from verl_partial.glue.partial_tool_loop import (
+    PartialToolAgentLoop,
+    make_partial_tool_loop,
+    run_tool_segment,
+    runs_tools,
+)
 
 logger = logging.getLogger("verl_partial.partial")
 
@@ -60,6 +67,10 @@ class SegmentCall:
     max_new_tokens: int
     prompt_ids: np.ndarray | None = None
     raw_prompt: Any = None
+    # Multi-turn (verl's tool agent loop): the dataset row's fields the loop reads, and the parked trajectory
+    # (``None`` on its first segment). Such a call runs ``partial_tool_loop.run_tool_segment`` instead.
+    row: dict[str, Any] | None = None
+    payload: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +84,7 @@ class SegmentAnswer:
     server_version: int | None
     prompt_ids: np.ndarray | None = None
     error: str | None = None
+    payload: dict[str, Any] | None = None  # the trajectory to park (multi-turn)
 
 
 @dataclass(frozen=True)
@@ -82,6 +94,7 @@ class FinishedSample:
     prompt_ids: np.ndarray  # int32
     token_ids: np.ndarray  # int32
     log_probs: np.ndarray  # float32
+    payload: dict[str, Any] | None = None  # multi-turn: the finished trajectory (mask, turns, tool output)
 
 
 def _empty_answer(call: SegmentCall, server_version: int | None = None, error: str | None = None) -> SegmentAnswer:
@@ -127,6 +140,9 @@ class PartialAgentLoopWorker(AgentLoopWorker):
                            self.transit_delay_s)  # fmt: skip
         self.transit_rng = random.Random(0)
         self.builder: PromptBuilder | None = None
+        self.tool_loop: PartialToolAgentLoop | None = None
+        # Calls running tool calls: never cancelled (a tool that already ran would run again on resume).
+        self.running_tools: set[str] = set()
 
     def set_servers(self, servers: dict[str, Any]) -> None:
         """Server address -> server actor handle, from verl's replicas (the router's choices are addresses)."""
@@ -170,6 +186,8 @@ class PartialAgentLoopWorker(AgentLoopWorker):
 
     def _cancel(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
+            if request_id in self.running_tools:
+                continue
             ref = self.sent.get(request_id)
             if ref is not None:
                 # Cancels the server's generate coroutine (vLLM's AsyncLLM and our engine abort the request).
@@ -189,6 +207,8 @@ class PartialAgentLoopWorker(AgentLoopWorker):
             self.sent.pop(call.request_id, None)
 
     async def _generate(self, call: SegmentCall, sampling: dict[str, Any]) -> SegmentAnswer:
+        if call.row is not None:
+            return await self._tool_segment(call, sampling)
         prompt_ids = call.prompt_ids
         if prompt_ids is None:
             prompt_ids = await self._prompt_ids(call)
@@ -220,6 +240,47 @@ class PartialAgentLoopWorker(AgentLoopWorker):
             finish,
             output.extra_fields.get("global_steps"),
             prompt_ids=prompt_ids if call.prompt_ids is None else None,
+        )
+
+    async def _tool_segment(self, call: SegmentCall, sampling: dict[str, Any]) -> SegmentAnswer:
+        """One segment of verl's tool agent loop, its generate call sent like any other (cancellable at its
+        server); a segment that runs tools is shielded from cancellation."""
+        if self.tool_loop is None:
+            self.tool_loop = make_partial_tool_loop(self)
+
+        async def send(prompt_ids: list[int], params: dict[str, Any]) -> Any:
+            if self.transit_delay_s:
+                await asyncio.sleep(self.transit_rng.uniform(0, self.transit_delay_s))
+            server = self.servers.get(call.server)
+            if server is None:
+                raise KeyError(f"no server at {call.server!r}; known: {sorted(self.servers)}")
+            ref = server.generate.remote(prompt_ids=prompt_ids, sampling_params=params, request_id=call.request_id)
+            self.sent[call.request_id] = ref
+            return await ref
+
+        if runs_tools(call.payload):
+            self.running_tools.add(call.request_id)
+        try:
+            outcome = await run_tool_segment(
+                self.tool_loop,
+                payload=call.payload,
+                row=call.row or {},
+                request_id=call.request_id,
+                max_new_tokens=call.max_new_tokens,
+                eos_ids=self.eos_from_model,
+                sampling_params=sampling,
+                send=send,
+            )
+        finally:
+            self.running_tools.discard(call.request_id)
+        return SegmentAnswer(
+            call.request_id,
+            outcome.new_ids,
+            outcome.new_log_probs,
+            outcome.finish,
+            outcome.server_version,
+            prompt_ids=outcome.prompt_ids,
+            payload=outcome.payload,
         )
 
     async def _prompt_ids(self, call: SegmentCall) -> np.ndarray:
@@ -258,19 +319,25 @@ class PartialAgentLoopWorker(AgentLoopWorker):
         outputs = await asyncio.gather(
             *[
                 self._agent_loop_postprocess(
-                    AgentLoopOutput(
-                        prompt_ids=sample.prompt_ids.tolist(),
-                        response_ids=sample.token_ids.tolist(),
-                        response_mask=[1] * len(sample.token_ids),
-                        response_logprobs=sample.log_probs.tolist(),
-                        num_turns=2,
-                        metrics=AgentLoopMetrics(),
-                        extra_fields={"turn_scores": [], "tool_rewards": []},
-                    ),
-                    False,
-                    **{key: value[index] for key, value in fields.items()},
+                    self._finished_output(sample), False, **{key: value[index] for key, value in fields.items()}
                 )
                 for index, sample in enumerate(samples)
             ]
         )
         return self._postprocess(list(outputs), input_non_tensor_batch=fields, validate=False)
+
+    def _finished_output(self, sample: FinishedSample) -> AgentLoopOutput:
+        if sample.payload is not None:  # multi-turn: what verl's ToolAgentLoop.run returns for this trajectory
+            if self.tool_loop is None:
+                self.tool_loop = make_partial_tool_loop(self)
+            fields = self.tool_loop.output_fields(Trajectory.from_state_dict(sample.payload))
+            return AgentLoopOutput(**fields, metrics=AgentLoopMetrics())
+        return AgentLoopOutput(
+            prompt_ids=sample.prompt_ids.tolist(),
+            response_ids=sample.token_ids.tolist(),
+            response_mask=[1] * len(sample.token_ids),
+            response_logprobs=sample.log_probs.tolist(),
+            num_turns=2,
+            metrics=AgentLoopMetrics(),
+            extra_fields={"turn_scores": [], "tool_rewards": []},
+        )

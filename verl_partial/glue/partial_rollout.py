@@ -34,10 +34,11 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopManager
 
 from verl_partial.core.finish import Finish
 from verl_partial.core.partial_config import PartialConfig
-from verl_partial.core.pool import GroupState, RolloutPool, SegmentRequest, SegmentResult
+from verl_partial.core.pool import GroupState, RolloutPool, SampleState, SegmentRequest, SegmentResult
 from verl_partial.core.scheduler import StepResult, run_step
 from verl_partial.glue.engines import EngineAdapter, engine_adapter
 from verl_partial.glue.partial_agent_loop import FinishedSample, PartialAgentLoopWorker, SegmentAnswer, SegmentCall
+from verl_partial.glue.partial_tool_loop import ROW_KEYS, tool_loop_metrics
 
 logger = logging.getLogger("verl_partial.partial")
 
@@ -140,8 +141,17 @@ class WorkerSegmentBackend:
     each worker has cached.
     """
 
-    def __init__(self, workers: list[Any], servers: dict[str, Any], replicas: list[Any], engine: EngineAdapter) -> None:
+    def __init__(
+        self,
+        workers: list[Any],
+        servers: dict[str, Any],
+        replicas: list[Any],
+        engine: EngineAdapter,
+        tool_loop: bool = False,
+    ) -> None:
         self.workers = workers
+        # Samples run verl's tool agent loop (their calls carry the row's fields and the parked trajectory).
+        self.tool_loop = tool_loop
         self.replicas = replicas
         self.engine = engine
         self._servers = list(servers)
@@ -188,6 +198,8 @@ class WorkerSegmentBackend:
                 max_new_tokens=request.max_new_tokens,
                 prompt_ids=prompt_ids,
                 raw_prompt=raw_prompt,
+                row={key: group.prompt[key] for key in ROW_KEYS if key in group.prompt} if self.tool_loop else None,
+                payload=sample.payload,
             )
             future: asyncio.Future[SegmentResult] = loop.create_future()
             self.futures[request.request_id] = future
@@ -241,6 +253,7 @@ class WorkerSegmentBackend:
                 server=server,
                 server_version=answer.server_version,
                 prompt_ids=answer.prompt_ids,
+                payload=answer.payload,
             )
         )
 
@@ -303,6 +316,7 @@ class PartialAgentLoopManager(AgentLoopManager):
                 servers,
                 server_manager.get_replicas(),
                 engine_adapter(self.rollout_config.name),
+                tool_loop=self.rollout_config.agent.default_agent_loop == "tool_agent",
             )
         return self._backend
 
@@ -353,7 +367,7 @@ class PartialAgentLoopManager(AgentLoopManager):
             worker.hand_over.remote(
                 rows[start:stop],
                 [
-                    FinishedSample(prepared[keys[i]].prompt_ids, sample.token_ids, sample.log_probs)
+                    FinishedSample(prepared[keys[i]].prompt_ids, sample.token_ids, sample.log_probs, sample.payload)
                     for i, sample in zip(range(start, stop), samples[start:stop], strict=True)
                 ],
             )
@@ -365,7 +379,9 @@ class PartialAgentLoopManager(AgentLoopManager):
         response_length = self.rollout_config.response_length
         versions = torch.full((len(samples), response_length), -1, dtype=torch.int32)
         for row, sample in enumerate(samples):
-            versions[row, : len(sample.versions)] = torch.from_numpy(sample.versions)
+            # Multi-turn: the trajectory's own per-token versions (-1 on tool output), as trained.
+            row_versions = sample.versions if sample.payload is None else sample.payload["versions"][:response_length]
+            versions[row, : len(row_versions)] = torch.from_numpy(row_versions)
         output.batch[VERSION_KEY] = versions
         timing = self._performance_metrics(row_metrics, output)
         output.meta_info = {
@@ -376,6 +392,11 @@ class PartialAgentLoopManager(AgentLoopManager):
         if self._on_hand_over is not None:
             self._on_hand_over(order, output)
         return output
+
+
+def _response_len(sample: SampleState) -> int:
+    """Response tokens a sample trained: its tokens, or its whole trajectory (tool output included)."""
+    return len(sample.token_ids) if sample.payload is None else len(sample.payload["response_ids"])
 
 
 def _chunk_bounds(keys: np.ndarray, chunks: int) -> list[tuple[int, int]]:
@@ -441,6 +462,7 @@ class PartialRolloutLoader:
                 held_back,
             )
         dump = None if self.config.dump_dir is None else functools.partial(self._dump, step)
+        extra.update(tool_loop_metrics([s.payload for g in result.trained for s in g.samples if s.payload is not None]))
         manager.prepare(result, step - 1, extra, on_hand_over=dump)
         self._write_ledger(step)
         rows = []
@@ -474,7 +496,8 @@ class PartialRolloutLoader:
                     "versions": sample.versions.tolist(),
                     "segments": sample.segments,
                     "finish": sample.finish.value if sample.finish is not None else None,
-                    "trained_responses": responses[row, : len(sample.token_ids)].tolist(),
+                    "trained_responses": responses[row, : _response_len(sample)].tolist(),
+                    "trajectory": sample.payload,
                 }
             )
         os.makedirs(self.config.dump_dir, exist_ok=True)

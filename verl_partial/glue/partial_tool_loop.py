@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from verl.experimental.agent_loop.agent_loop import DictConfigWrap, ToolListWrap
 from verl.experimental.agent_loop.tool_agent_loop import AgentData, AgentState, ToolAgentLoop
 from verl.experimental.agent_loop.tool_parser import FunctionCall
 from verl.workers.rollout.replica import TokenOutput
@@ -48,6 +49,7 @@ class SegmentReport:
     new_tokens: int  # new response tokens of any kind, minus tokens a context merge trimmed
     tool_calls: int  # tool calls executed by this segment
     finish: Finish | None  # how the generate call ended (model segments)
+    server_version: int | None = None  # the answering server's global_steps (model segments)
 
     @property
     def pool_finish(self) -> Finish:
@@ -83,13 +85,14 @@ class PartialToolAgentLoop(ToolAgentLoop):
         *,
         request_id: str,
         max_new_tokens: int,
-        version: int,
         eos_ids: Collection[int],
+        version: int | None = None,
         generate: GenerateFn | None = None,
         **kwargs: Any,
     ) -> SegmentReport:
         """Advance ``traj`` by one segment: run its pending tool calls, or generate up to ``max_new_tokens``
-        tokens of its current model turn with the policy of ``version``.
+        tokens of its current model turn with the policy of ``version`` (``None``: the version the answering
+        server reports, its ``global_steps``).
 
         ``eos_ids``: the tokenizer's and generation config's EOS ids (:func:`~verl_partial.core.finish.eos_id_set`),
         which tell a turn that ended from one that used its grant. ``generate(prompt_ids, sampling_params)``
@@ -112,7 +115,7 @@ class PartialToolAgentLoop(ToolAgentLoop):
         agent_data: AgentData,
         sampling_params: dict[str, Any],
         max_new_tokens: int,
-        version: int,
+        version: int | None,
         eos_ids: Collection[int],
         generate: GenerateFn | None,
     ) -> SegmentReport:
@@ -146,10 +149,14 @@ class PartialToolAgentLoop(ToolAgentLoop):
                 f"{type(self.continuous_token_builder).__name__} edits tokens when merging assistant output; "
                 "partial rollout of the tool agent loop supports builders that append them unchanged"
             )
-        traj.add_model_tokens(new_ids, log_probs, version, self.response_length)
+        if version is None:
+            version = output.extra_fields.get("global_steps")
+            if version is None:
+                raise RuntimeError("the rollout server did not report its global_steps (the policy version)")
+        traj.add_model_tokens(new_ids, log_probs, int(version), self.response_length)
         if finish in (Finish.EOS, Finish.STOP) or len(traj.response_ids) >= self.response_length:
             await self._end_turn(traj, agent_data)
-        return SegmentReport(traj.phase, len(new_ids), len(new_ids), 0, finish)
+        return SegmentReport(traj.phase, len(new_ids), len(new_ids), 0, finish, output.extra_fields.get("global_steps"))
 
     async def _end_turn(self, traj: Trajectory, agent_data: AgentData) -> None:
         """verl's end-of-generation logic, on the whole turn: termination checks, tool-call parsing, message."""
@@ -246,3 +253,89 @@ class PartialToolAgentLoop(ToolAgentLoop):
             for tool in agent_data._active_tools.values()
         ]
         return agent_data
+
+
+# ---------------------------------------------------------------------------------------------- worker side
+# Dataset-row fields the tool loop reads (``start`` the prompt and tool selection, tool segments ``tools_kwargs``).
+ROW_KEYS = ("raw_prompt", "extra_info", "tools_kwargs")
+
+
+def make_partial_tool_loop(worker: Any) -> PartialToolAgentLoop:
+    """The loop built from an AgentLoopWorker's state with the arguments verl's ``_run_agent_loop`` gives its loops."""
+    return PartialToolAgentLoop(
+        trainer_config=DictConfigWrap(config=worker.config),
+        server_manager=worker.llm_client,
+        tokenizer=worker.tokenizer,
+        processor=worker.processor,
+        dataset_cls=worker.dataset_cls,
+        data_config=DictConfigWrap(worker.config.data),
+        hf_model_type=worker.hf_model_type,
+        tools=ToolListWrap(worker.tools),
+    )
+
+
+def runs_tools(payload: dict[str, Any] | None) -> bool:
+    """Whether the next segment of this parked trajectory runs tool calls (such a segment must not be cancelled:
+    a tool that already ran would run again on resume)."""
+    return payload is not None and payload["phase"] == Phase.TOOL_CALLS.value
+
+
+@dataclass(frozen=True)
+class ToolSegmentOutcome:
+    """One tool-loop segment as the rollout pool sees it: the model's new tokens, the pool's finish, and the
+    trajectory to park (``payload``)."""
+
+    new_ids: np.ndarray  # int32, model tokens only
+    new_log_probs: np.ndarray  # float32
+    finish: Finish
+    server_version: int | None
+    prompt_ids: np.ndarray | None  # on a trajectory's first segment
+    payload: dict[str, Any]
+
+
+async def run_tool_segment(
+    loop: PartialToolAgentLoop,
+    *,
+    payload: dict[str, Any] | None,
+    row: dict[str, Any],
+    request_id: str,
+    max_new_tokens: int,
+    eos_ids: Collection[int],
+    sampling_params: dict[str, Any],
+    send: GenerateFn,
+) -> ToolSegmentOutcome:
+    """Resume (or start, when ``payload`` is None) a trajectory and run one segment of it through ``send``."""
+    traj = await loop.start(**row) if payload is None else Trajectory.from_state_dict(payload)
+    before = len(traj.response_ids)
+    report = await loop.segment(
+        traj,
+        sampling_params,
+        request_id=request_id,
+        max_new_tokens=max_new_tokens,
+        eos_ids=eos_ids,
+        generate=send,
+        **row,
+    )
+    produced = slice(before, before + report.model_tokens)
+    return ToolSegmentOutcome(
+        new_ids=traj.response_ids[produced].copy(),
+        new_log_probs=traj.log_probs[produced].copy(),
+        finish=report.pool_finish,
+        server_version=report.server_version,
+        prompt_ids=traj.prompt_ids if payload is None else None,
+        payload=traj.state_dict(),
+    )
+
+
+def tool_loop_metrics(payloads: list[dict[str, Any]]) -> dict[str, float]:
+    """``partial/*`` multi-turn metrics of the trajectories trained this step."""
+    if not payloads:
+        return {}
+    turns = [payload["assistant_turns"] + payload["user_turns"] + 1 for payload in payloads]
+    calls = [payload["tool_calls_made"] for payload in payloads]
+    return {
+        "partial/turns_per_sample/mean": sum(turns) / len(turns),
+        "partial/turns_per_sample/max": float(max(turns)),
+        "partial/tool_calls": float(sum(calls)),
+        "partial/tool_calls_per_sample/mean": sum(calls) / len(calls),
+    }
