@@ -201,8 +201,8 @@ def check_trainer_path(config: DictConfig) -> None:
     reasons = []
     if config.get("backend") is not None:
         reasons.append(
-            f"+backend={block_values(config, 'backend').get('name')}: the CPU backend is set up for verl's legacy "
-            "RayPPOTrainer; v1 also needs TransferQueue and its own agent-loop manager"
+            f"+backend={block_values(config, 'backend').get('name')}: the CPU backend is tested on verl's legacy "
+            "RayPPOTrainer only (v1 also needs TransferQueue, which verl-partial does not install)"
         )
     if partial_config(config) is not None:
         reasons.append(
