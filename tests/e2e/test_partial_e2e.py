@@ -210,3 +210,17 @@ def test_failing_and_hanging_generate_calls_are_retried_and_counted(demo_assets,
     for step in (1, 2):
         samples = torch.load(tmp_path / "dump" / f"step_{step}.pt")["samples"]
         assert len({s["key"] for s in samples}) == GROUPS and len(samples) == GROUPS * N
+
+
+def test_on_policy_preset_trains_only_current_policy_tokens(demo_assets, tmp_path):
+    """``+partial=on_policy`` through the trainer: the longest-first launch order is wired (the pool refuses the
+    schedule without a priority), nothing is trained from an older policy and nothing is parked."""
+    run = run_trainer(
+        demo_assets, tmp_path, steps=3, partial="on_policy", extra=[f"partial.dump_dir={tmp_path / 'dump'}"]
+    )
+    run.assert_ok()
+    for step in range(1, 4):
+        assert run.metric(step, "partial/staleness/max") == 0
+        dump = torch.load(tmp_path / "dump" / f"step_{step}.pt")
+        assert len({sample["key"] for sample in dump["samples"]}) == GROUPS
+        assert all(v == dump["version"] for sample in dump["samples"] for v in sample["versions"])

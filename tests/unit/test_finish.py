@@ -102,3 +102,13 @@ def test_max_model_len_too_small_is_refused():
     check_model_len(17408, 1024, 16384)
     with pytest.raises(ValueError, match=r"actor_rollout_ref.rollout.max_model_len \(16384\) must be null or >= "):
         check_model_len(16384, 1024, 16384)
+
+
+def test_mappers_take_numpy_token_arrays():
+    """The segment path carries int32 arrays; an array's truth value is ambiguous, its length is not."""
+    import numpy as np
+
+    tokens = np.array([5, 6, 151645], dtype=np.int32)
+    assert from_vllm("completed", tokens, 3, EOS_IDS) is Finish.EOS
+    assert from_sglang("stop", tokens, 3, EOS_IDS) is Finish.EOS
+    assert from_vllm("aborted", np.array([], dtype=np.int32), 3, EOS_IDS) is Finish.ABORTED

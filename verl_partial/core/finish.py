@@ -65,7 +65,7 @@ def from_vllm(stop_reason: str | None, token_ids: Sequence[int], max_tokens: int
         return Finish.ABORTED
     if stop_reason != "completed":
         raise ValueError(f"unknown vLLM stop_reason {stop_reason!r}; verl 0.9.1 reports 'completed' or 'aborted'")
-    if token_ids and int(token_ids[-1]) in eos_ids:
+    if len(token_ids) and int(token_ids[-1]) in eos_ids:
         return Finish.EOS
     if len(token_ids) < max_tokens:
         return Finish.STOP
@@ -82,7 +82,7 @@ def from_sglang(stop_reason: str | None, token_ids: Sequence[int], max_tokens: i
     if stop_reason == "length":
         return Finish.LENGTH
     if stop_reason == "stop":
-        return Finish.EOS if token_ids and int(token_ids[-1]) in eos_ids else Finish.STOP
+        return Finish.EOS if len(token_ids) and int(token_ids[-1]) in eos_ids else Finish.STOP
     raise ValueError(f"unknown SGLang stop_reason {stop_reason!r}; SGLang reports 'stop', 'length' or 'abort'")
 
 

@@ -33,6 +33,7 @@ from verl import DataProto
 from verl.experimental.agent_loop.agent_loop import AgentLoopManager
 
 from verl_partial.core.finish import Finish
+from verl_partial.core.on_policy import LengthEstimator
 from verl_partial.core.partial_config import PartialConfig
 from verl_partial.core.pool import GroupState, RolloutPool, SampleState, SegmentRequest, SegmentResult
 from verl_partial.core.scheduler import StepResult, run_step
@@ -78,6 +79,13 @@ def prompt_identity(row: Row) -> Any:
     if isinstance(extra, dict) and "index" in extra:
         return extra["index"]
     return row.get("index")
+
+
+def _group_prompt_identity(group: GroupState[Row]) -> Any:
+    """A prompt's identity across epochs for the length estimator; a dataset without an index falls back to the
+    group's admission key (no history then, finished siblings still inform the estimate)."""
+    identity = prompt_identity(group.prompt)
+    return group.key if identity is None else identity
 
 
 # ---------------------------------------------------------------------------------------------- source
@@ -416,11 +424,15 @@ class PartialRolloutLoader:
         self.config = config
         self.loader = trainer.train_dataloader
         rollout = trainer.config.actor_rollout_ref.rollout
+        # partial.schedule=longest_first: expected lengths from finished siblings and the prompt's earlier epochs.
+        # The estimator's history is scheduling advice only, so it is not checkpointed (a resume re-learns it).
+        self.length_estimator = LengthEstimator(_group_prompt_identity) if config.schedule == "longest_first" else None
         self.pool: RolloutPool[Row] = RolloutPool(
             config,
             group_size=rollout.n,
             batch_groups=trainer.config.data.train_batch_size,
             response_length=rollout.response_length,
+            priority=None if self.length_estimator is None else self.length_estimator.priority,
         )
         self.stream = PromptStream(self.loader, trainer.config.trainer.total_epochs)
         self.steps_in_epoch = 0
@@ -451,6 +463,8 @@ class PartialRolloutLoader:
         result = asyncio.run(
             run_step(self.pool, backend, self.stream, step=step, version=step - 1, server_version=step - 1)
         )
+        if self.length_estimator is not None:
+            self.length_estimator.record(result.trained)
         extra: dict[str, float] = {}
         if step >= trainer.total_training_steps:
             # Prompts already drawn from verl's dataloader but not yet admitted are as untrained as in-flight groups.
