@@ -18,7 +18,7 @@ Workload (identical for every mode):
 * Response lengths are imposed, as vLLM's own serving benchmarks do: ``ignore_eos=True`` and a per-sample target
   length. The target is a pure function of (seed, prompt key, sample index), drawn from a lognormal (median
   ``--median-len``, sigma ``--sigma``; sigma 1 gives p99/p50 = e^2.33 = 10.2) and capped at ``--response-length``.
-  A resumed sample keeps its target: the segment ends ("eos") when the sample reaches it.
+  A resumed sample keeps its target: the sample ends (``Finish.EOS``) when it reaches it.
 * Each step trains ``B`` groups of ``n`` samples. The prompt stream is the same for all modes (sync step ``s``
   uses prompts ``sB .. sB+B-1``; partial draws the same stream in order).
 
@@ -58,12 +58,14 @@ from pathlib import Path
 from statistics import NormalDist
 from typing import Protocol
 
+import numpy as np
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from benchmarks._machine import cpu_name  # noqa: E402
+from verl_partial.core.finish import Finish, finish_mapper  # noqa: E402
 from verl_partial.core.partial_config import PartialConfig  # noqa: E402
 from verl_partial.core.pool import GroupState, RolloutPool, SegmentRequest  # noqa: E402
 from verl_partial.core.scheduler import SegmentResult, run_step  # noqa: E402
@@ -173,24 +175,49 @@ class StreamSource:
 
 
 class EngineSegmentBackend:
-    """``SegmentBackend`` over the CPU engine: one engine call per segment, lengths imposed by ``ignore_eos``.
+    """``SegmentBackend`` over the CPU engine (one server): one engine call per segment, lengths imposed by
+    ``ignore_eos``.
 
     A segment may produce at most ``min(request.max_new_tokens, target - tokens so far)``, so a resumed sample never
-    overshoots its target and the pool's ``response_length`` bound is respected.
+    overshoots its target and the pool's ``response_length`` bound is respected. The engine's stop reason is put in
+    verl's vLLM server's words and mapped by the production mapper; a segment that reaches its sample's target ends
+    where the model would have sampled EOS (``ignore_eos`` stands in for it), so that ``LENGTH`` becomes ``EOS``
+    unless the target is the ``response_length`` cap itself (a truncated answer).
     """
+
+    servers = ("cpu-engine",)
 
     def __init__(self, engine: CpuBatchedEngine, workload: Workload) -> None:
         self.engine = engine
         self.workload = workload
+        self.to_finish = finish_mapper("cpu")
 
-    async def generate(self, group: GroupState[Prompt], request: SegmentRequest) -> SegmentResult:
+    def launch(self, wave: list[tuple[GroupState[Prompt], SegmentRequest]]) -> list[asyncio.Future[SegmentResult]]:
+        return [asyncio.ensure_future(self._segment(group, request)) for group, request in wave]
+
+    async def _segment(self, group: GroupState[Prompt], request: SegmentRequest) -> SegmentResult:
+        prefix = group.samples[request.ref.index].token_ids.tolist()
         target = self.workload.target_length(group.key, request.ref.index)
-        done = len(request.prefix_ids)
-        max_tokens = min(request.max_new_tokens, target - done)
+        max_tokens = min(request.max_new_tokens, target - len(prefix))
         params = SamplingParams(max_tokens=max_tokens, temperature=1.0, ignore_eos=True)
-        result = await self.engine.generate(request.request_id, group.prompt.ids + request.prefix_ids, params)
-        eos = done + len(result.token_ids) >= target
-        return SegmentResult(result.token_ids, result.log_probs, eos=eos, prompt_ids=group.prompt.ids)
+        result = await self.engine.generate(request.request_id, group.prompt.ids + prefix, params)
+        # verl's vLLM server reports EOS and max_tokens both as "completed".
+        stop_reason = "aborted" if result.stop_reason == "aborted" else "completed"
+        finish = self.to_finish(stop_reason, result.token_ids, max_tokens, frozenset())
+        total = len(prefix) + len(result.token_ids)
+        if finish is Finish.LENGTH and total == target < self.workload.response_length:
+            finish = Finish.EOS
+        return SegmentResult(
+            new_ids=np.asarray(result.token_ids, dtype=np.int32),
+            new_log_probs=np.asarray(result.log_probs, dtype=np.float32),
+            finish=finish,
+            server=request.server,
+            prompt_ids=np.asarray(group.prompt.ids, dtype=np.int32),
+        )
+
+    async def cancel(self, requests: list[SegmentRequest]) -> None:
+        for request in requests:
+            await self.engine.abort(request.request_id)  # its generate returns the tokens so far as "aborted"
 
     async def abort_all(self) -> None:
         # Pause first so nothing queued is scheduled between the abort and the step's end (vLLM's pause_generation).
