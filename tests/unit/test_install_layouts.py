@@ -43,10 +43,36 @@ def _venv_with_package(tmp_path: Path, editable: bool) -> Path:
             text=True,
         ).stdout.strip()
     )
-    (venv_site / "_outer_env.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    (venv_site / "_outer_env.pth").write_text(str(_outer_site_without_us(tmp_path)) + "\n")
     install = [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
     subprocess.run([*install, *(["-e"] if editable else []), str(source)], check=True, cwd=tmp_path)
     return python
+
+
+def _ours(name: str) -> bool:
+    return name.startswith("verl_partial") or (name.startswith("__editable__") and "verl_partial" in name)
+
+
+def _outer_site_without_us(tmp_path: Path) -> Path:
+    """This environment's site-packages as a folder of links, minus verl-partial itself.
+
+    The outer environment may hold a regular install of verl-partial (nox and CI do). Left visible, it shadows the
+    throwaway editable install: setuptools appends its editable finder to ``sys.meta_path``, after the path finder.
+    """
+    view = tmp_path / "outer-site"
+    view.mkdir()
+    for site_dir in map(Path, site.getsitepackages()):
+        for entry in site_dir.iterdir():
+            if _ours(entry.name) or (view / entry.name).exists():
+                continue
+            if entry.name == "hydra_plugins":  # a namespace shared with other packages' plugins
+                (view / entry.name).mkdir()
+                for plugin in entry.iterdir():
+                    if plugin.name != "verl_partial_searchpath":
+                        (view / entry.name / plugin.name).symlink_to(plugin)
+                continue
+            (view / entry.name).symlink_to(entry)
+    return view
 
 
 @pytest.mark.parametrize("editable", [False, True], ids=["regular", "editable"])
