@@ -23,6 +23,7 @@ timeouts and retries"):
 from __future__ import annotations
 
 import asyncio
+from collections import Counter, deque
 from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -112,6 +113,18 @@ class _Step(Generic[P]):
         self.loop = asyncio.get_running_loop()
         self.router = Router(backend.servers, self.config.max_calls_per_server)
         self.calls: dict[asyncio.Future[SegmentResult], _Call] = {}
+        # Answers queue up through one done-callback per call, so a wake-up costs O(answers), not O(outstanding
+        # calls) as asyncio.wait over every call would: at 9k calls a step, that is the difference between
+        # ~1 s and ~100 s of driver thread per step (docs/partial-rollout-benchmark.md, "Driver cost").
+        self.answers: deque[asyncio.Future[SegmentResult]] = deque()
+        self.answer_arrived = asyncio.Event()
+        # Calls not given up, per server: a server's stall clock runs while it has any.
+        self.active: Counter[str] = Counter()
+        self.given_up: dict[asyncio.Future[SegmentResult], _Call] = {}
+        # Rescans of the pool happen only after events that can change their outcome.
+        self.launch_needed = True  # a sample may have become runnable (admission, retry, next chunk, free slot)
+        self.capped = False  # the last launch stopped at max_calls_per_server
+        self.maybe_done = True  # a group may have finished
         # Per server: when it last answered, or went from idle to busy (a stall clock runs only while busy).
         self.progress: dict[str, float] = dict.fromkeys(self.router.servers, self.loop.time())
         self.cancels: set[asyncio.Task[None]] = set()
@@ -127,8 +140,12 @@ class _Step(Generic[P]):
                 self.source_empty = True
             else:
                 self.pool.admit(*item)
+                self.launch_needed = True
 
     def launch(self) -> None:
+        if not self.launch_needed:
+            return
+        self.launch_needed = False
         wave: list[tuple[GroupState[P], SegmentRequest, int]] = []
         for ref in self.pool.runnable():
             sample = self.pool.sample(ref)
@@ -137,7 +154,8 @@ class _Step(Generic[P]):
             )
             server = self.router.pick(tokens, sample.last_server)
             if server is None:
-                break  # every server is at max_calls_per_server; the rest wait for a free slot
+                self.capped = True  # every server is at max_calls_per_server; the rest wait for a free slot
+                break
             if self.router.load[server].calls == 0:
                 self.progress[server] = self.loop.time()
             self.router.add(server, tokens)
@@ -149,12 +167,29 @@ class _Step(Generic[P]):
             raise RuntimeError(f"backend.launch returned {len(futures)} futures for a wave of {len(wave)} calls")
         for (group, request, tokens), future in zip(wave, futures, strict=True):
             self.calls[future] = _Call(group, request, future, tokens)
+            self.active[request.server] += 1
+            future.add_done_callback(self.answer)
+
+    def answer(self, future: asyncio.Future[SegmentResult]) -> None:
+        self.answers.append(future)
+        self.answer_arrived.set()
+
+    def forget(self, call: _Call) -> None:
+        """Take a call out of the books (answered or abandoned); a freed server slot may let a waiting sample go."""
+        del self.calls[call.future]
+        if call.given_up is None:
+            self.active[call.request.server] -= 1
+        else:
+            del self.given_up[call.future]
+        self.router.remove(call.request.server, call.tokens)
+        if self.capped:
+            self.capped, self.launch_needed = False, True
 
     # ------------------------------------------------------------ answers
     def record(self, future: asyncio.Future[SegmentResult]) -> None:
-        call = self.calls.pop(future)
+        call = self.calls[future]
+        self.forget(call)
         server, ref = call.request.server, call.request.ref
-        self.router.remove(server, call.tokens)
         if call.given_up is _Why.ORPHAN:
             _consume(future)
             return
@@ -162,7 +197,7 @@ class _Step(Generic[P]):
         error = None if future.cancelled() else future.exception()
         if future.cancelled() or error is not None:
             if ending:
-                self.pool.release(ref)
+                self.release(ref)
             else:
                 self.fail(ref)
             return
@@ -173,14 +208,26 @@ class _Step(Generic[P]):
             # Tokens or a finish: progress, even from a call given up as stalled (slow is not stuck).
             self.router.answered(server)
             self.pool.finish_segment(ref, result)
+            group = self.pool.groups.get(ref.group_id)  # None: taken out while the call ran
+            if group is None:
+                return
+            if group.samples[ref.index].finished:
+                self.maybe_done = self.maybe_done or group.finished
+            else:
+                self.launch_needed = True  # its next chunk
         elif ending:
-            self.pool.release(ref)
+            self.release(ref)
         else:
             # Refused by a closed gate, or cancelled after a stall with nothing to show: a failure.
             self.router.avoid(server)
             self.fail(ref)
 
+    def release(self, ref: SampleRef) -> None:
+        self.pool.release(ref)
+        self.launch_needed = True
+
     def fail(self, ref: SampleRef) -> None:
+        self.launch_needed = True  # its retry
         if self.pool.fail_segment(ref):
             # The group is out: nothing of it may keep generating.
             self.give_up([c for c in self.calls.values() if c.request.ref.group_id == ref.group_id], _Why.ORPHAN)
@@ -191,6 +238,8 @@ class _Step(Generic[P]):
         now = self.loop.time()
         for call in fresh:
             call.given_up, call.given_up_at = why, now
+            self.active[call.request.server] -= 1
+            self.given_up[call.future] = call
         if not fresh:
             return
         self.pool.count(**{"stalled_calls" if why is _Why.STALLED else "cancelled_calls": len(fresh)})
@@ -202,33 +251,32 @@ class _Step(Generic[P]):
     # ------------------------------------------------------------ timers
     def next_deadline(self) -> float | None:
         """The earliest moment a rule fires: a busy server's stall deadline or a given-up call's grace end."""
-        deadlines = []
-        busy = {call.request.server for call in self.calls.values() if call.given_up is None}
-        deadlines += [self.progress[server] + self.config.request_timeout_s for server in busy]
-        deadlines += [c.given_up_at + self.config.abort_grace_s for c in self.calls.values() if c.given_up]
+        deadlines = [self.progress[server] + self.config.request_timeout_s for server in self.busy()]
+        deadlines += [call.given_up_at + self.config.abort_grace_s for call in self.given_up.values()]
         return min(deadlines, default=None)
 
-    def fire_timers(self) -> None:
-        now = self.loop.time()
-        for server in {call.request.server for call in self.calls.values() if call.given_up is None}:
+    def busy(self) -> list[str]:
+        return [server for server, calls in self.active.items() if calls > 0]
+
+    def fire_timers(self, now: float) -> None:
+        for server in self.busy():
             if now >= self.progress[server] + self.config.request_timeout_s:
                 self.router.avoid(server)
                 self.progress[server] = now
                 self.give_up([c for c in self.calls.values() if c.request.server == server], _Why.STALLED)
-        for call in list(self.calls.values()):
-            if call.given_up is not None and now >= call.given_up_at + self.config.abort_grace_s:
+        for call in list(self.given_up.values()):
+            if now >= call.given_up_at + self.config.abort_grace_s:
                 self.abandon(call)
 
     def abandon(self, call: _Call) -> None:
         """A given-up call whose server did not even answer the cancel: forget it (its late answer is ignored)."""
-        del self.calls[call.future]
+        self.forget(call)
         _consume(call.future)
-        self.router.remove(call.request.server, call.tokens)
         self.pool.count(abandoned_calls=1)
         if call.given_up is _Why.STALLED:
             self.fail(call.request.ref)
         elif call.given_up is _Why.STEP_END:
-            self.pool.release(call.request.ref)
+            self.release(call.request.ref)
 
     async def wait(self, timeout: float | None) -> None:
         """Record every answer that arrives before ``timeout`` (relative) or the next rule deadline."""
@@ -237,10 +285,21 @@ class _Step(Generic[P]):
             end = self.loop.time() + timeout
             deadline = end if deadline is None else min(deadline, end)
         wait_for = None if deadline is None else max(0.0, deadline - self.loop.time())
-        done, _ = await asyncio.wait(list(self.calls), timeout=wait_for, return_when=asyncio.FIRST_COMPLETED)
-        for future in done:
-            self.record(future)
-        self.fire_timers()
+        timed_out = False
+        if not self.answers:
+            self.answer_arrived.clear()
+            try:
+                await asyncio.wait_for(self.answer_arrived.wait(), wait_for)
+            except asyncio.TimeoutError:
+                timed_out = True
+        while self.answers:
+            future = self.answers.popleft()
+            if future in self.calls:  # an abandoned call's late answer is ignored
+                self.record(future)
+        # Woken by the deadline: it is due, even if the clock reads a rounding step short of it (a deadline one
+        # float ulp ahead of the clock would otherwise be re-armed forever with a zero timeout).
+        now = self.loop.time()
+        self.fire_timers(max(now, deadline) if timed_out and deadline is not None else now)
 
     # ------------------------------------------------------------ step end
     async def end(self) -> None:
@@ -309,12 +368,15 @@ async def run_step(
     try:
         while True:
             state.fill()
-            if pool.step_done():
-                break
+            if state.maybe_done:
+                state.maybe_done = False
+                if pool.step_done():
+                    break
             state.launch()
             if not state.calls:
                 if pool.needs_budget_round(can_admit=not state.source_empty):
                     pool.grant_budget_round()
+                    state.launch_needed = True
                     continue
                 raise OutOfPrompts(
                     f"step {step} needs {pool.batch_groups} finished groups but only {len(pool.ready_groups())} "
