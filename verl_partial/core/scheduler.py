@@ -278,7 +278,7 @@ class _Step(Generic[P]):
         elif call.given_up is _Why.STEP_END:
             self.release(call.request.ref)
 
-    async def wait(self, timeout: float | None) -> None:
+    async def wait(self, timeout: float | None) -> float:
         """Record every answer that arrives before ``timeout`` (relative) or the next rule deadline."""
         deadline = self.next_deadline()
         if timeout is not None:
@@ -299,7 +299,10 @@ class _Step(Generic[P]):
         # Woken by the deadline: it is due, even if the clock reads a rounding step short of it (a deadline one
         # float ulp ahead of the clock would otherwise be re-armed forever with a zero timeout).
         now = self.loop.time()
-        self.fire_timers(max(now, deadline) if timed_out and deadline is not None else now)
+        if timed_out and deadline is not None:
+            now = max(now, deadline)
+        self.fire_timers(now)
+        return now
 
     # ------------------------------------------------------------ step end
     async def end(self) -> None:
@@ -313,9 +316,10 @@ class _Step(Generic[P]):
             return
         self.aborted = True
         await self.control(self.backend.abort_all())
-        grace_end = self.loop.time() + self.config.abort_grace_s
-        while self.calls and self.loop.time() < grace_end:
-            await self.wait(grace_end - self.loop.time())
+        now = self.loop.time()
+        grace_end = now + self.config.abort_grace_s
+        while self.calls and now < grace_end:
+            now = await self.wait(grace_end - now)
         self.give_up(list(self.calls.values()), _Why.STEP_END)
         while self.calls:
             await self.wait(None)
