@@ -31,7 +31,6 @@ from verl.experimental.agent_loop.agent_loop import (
     AgentLoopMetrics,
     AgentLoopOutput,
     AgentLoopWorker,
-    DictConfigWrap,
 )
 
 from verl_partial.core.finish import Finish, eos_id_set
@@ -40,6 +39,7 @@ from verl_partial.core.trajectory import Trajectory
 from verl_partial.glue.engines import engine_adapter
 from verl_partial.glue.partial_tool_loop import (
     PartialToolAgentLoop,
+    agent_loop_kwargs,
     make_partial_tool_loop,
     run_tool_segment,
     runs_tools,
@@ -295,15 +295,7 @@ class PartialAgentLoopWorker(AgentLoopWorker):
 
     async def _tokenise(self, raw_prompt: Any) -> np.ndarray:
         if self.builder is None:
-            self.builder = PromptBuilder(
-                trainer_config=DictConfigWrap(config=self.config),
-                server_manager=self.llm_client,
-                tokenizer=self.tokenizer,
-                processor=self.processor,
-                dataset_cls=self.dataset_cls,
-                data_config=DictConfigWrap(self.config.data),
-                hf_model_type=self.hf_model_type,
-            )
+            self.builder = PromptBuilder(**agent_loop_kwargs(self))
         messages = list(raw_prompt)
         if await self.builder.process_multi_modal_info(messages):
             raise ValueError("partial rollout supports text prompts only; this prompt carries images/videos/audio")

@@ -260,9 +260,9 @@ class PartialToolAgentLoop(ToolAgentLoop):
 ROW_KEYS = ("raw_prompt", "extra_info", "tools_kwargs")
 
 
-def make_partial_tool_loop(worker: Any) -> PartialToolAgentLoop:
-    """The loop built from an AgentLoopWorker's state with the arguments verl's ``_run_agent_loop`` gives its loops."""
-    return PartialToolAgentLoop(
+def agent_loop_kwargs(worker: Any) -> dict[str, Any]:
+    """The arguments verl's ``_run_agent_loop`` gives its loops, from an AgentLoopWorker's state."""
+    return dict(
         trainer_config=DictConfigWrap(config=worker.config),
         server_manager=worker.llm_client,
         tokenizer=worker.tokenizer,
@@ -270,8 +270,11 @@ def make_partial_tool_loop(worker: Any) -> PartialToolAgentLoop:
         dataset_cls=worker.dataset_cls,
         data_config=DictConfigWrap(worker.config.data),
         hf_model_type=worker.hf_model_type,
-        tools=ToolListWrap(worker.tools),
     )
+
+
+def make_partial_tool_loop(worker: Any) -> PartialToolAgentLoop:
+    return PartialToolAgentLoop(**agent_loop_kwargs(worker), tools=ToolListWrap(worker.tools))
 
 
 def runs_tools(payload: dict[str, Any] | None) -> bool:
