@@ -12,6 +12,7 @@ from verl_partial.core.finish import Finish
 from verl_partial.sim.cli import main
 from verl_partial.sim.clock import run_virtual
 from verl_partial.sim.engine import ServerSpec, SimServer, lognormal_sigma
+from verl_partial.sim.fully_async import FullyAsyncSetup, simulate_fully_async
 from verl_partial.sim.hardware import H20, H100_SXM, QWEN25_7B, QWEN25_32B, Efficiency, GpuSpec
 from verl_partial.sim.run import mode_configs, simulate
 from verl_partial.sim.workload import Workload
@@ -31,13 +32,15 @@ def test_decode_step_is_memory_bound_at_one_request_on_h100():
     assert spec.step_seconds(1, 1_000) == pytest.approx(6.5148e-3, rel=1e-4)
 
 
-def test_decode_step_is_compute_bound_at_256_requests_on_h20():
+def test_decode_step_is_the_sum_of_its_phases_rooflines_on_h20():
     spec = ServerSpec(H20, QWEN25_7B)
-    # memory: (15.22e9 + 57,344 x 256,000) / (4.0e12 x 0.7) = 10.68 ms
-    # compute: (2 x 7.61e9 x 256 + 4 x 28 x 28 x 128 x 256,000) / (148e12 x 0.5) = 54.04 ms
-    expected = (2 * 7.61e9 * 256 + 4 * 28 * 28 * 128 * 256_000) / (148e12 * 0.5)
-    assert spec.step_seconds(256, 256_000) == pytest.approx(expected, rel=1e-9)
-    assert expected == pytest.approx(54.04e-3, rel=1e-3)
+    # linear layers: weights 15.22e9 B / (4.0e12 x 0.7) = 5.44 ms; compute 2 x 7.61e9 x 256 / (148e12 x 0.5) = 52.65 ms
+    # attention: KV 57,344 x 256,000 B / (4.0e12 x 0.7) = 5.24 ms; compute 4 x 28 x 28 x 128 x 256,000 / 74e12 = 1.39 ms
+    linear, attention = 2 * 7.61e9 * 256 / (148e12 * 0.5), 57_344 * 256_000 / (4.0e12 * 0.7)
+    assert spec.step_seconds(256, 256_000) == pytest.approx(linear + attention, rel=1e-9)
+    assert linear + attention == pytest.approx(57.89e-3, rel=1e-3)
+    # One max over summed bytes and FLOPs would hide the KV reads under the linear layers' compute (54.04 ms).
+    assert spec.step_seconds(256, 256_000) > (2 * 7.61e9 * 256 + 4 * 28 * 28 * 128 * 256_000) / (148e12 * 0.5)
 
 
 def test_step_overhead_adds_a_fixed_cost_to_every_step():
@@ -221,3 +224,41 @@ def test_simulate_command_prints_one_row_per_mode(capsys):
     )
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert [row.split(" | ")[0] for row in rows] == ["| mode", "| sync", "| partial", "| on_policy"]
+
+
+def _fully_async(staleness: float, servers: int = 2, required: int = 4, versions: int = 5):
+    setup = FullyAsyncSetup(
+        required_groups=required,
+        trigger_parameter_sync_step=2,
+        staleness_threshold=staleness,
+        partial_rollout=True,
+        train_seconds_per_update=5.0,
+    )
+    load = Workload(batch=8, n=4, p50=400, p99_over_p50=20, response_length=16_384, prompts=64)
+    return simulate_fully_async(setup, load, ServerSpec(H100_SXM, QWEN25_7B), servers, versions)
+
+
+def test_fully_async_at_staleness_zero_admits_one_version_of_prompts_and_resumes_nothing():
+    run = _fully_async(0.0)
+    # staleness_threshold 0: required x trigger_parameter_sync_step prompts per version, all finished before the sync
+    assert run.admitted == [8] * 5
+    assert run.resumed_answers == 0
+    assert all(gen > 0 for gen in run.gen_seconds)
+
+
+def test_fully_async_staleness_bounds_admission_and_partial_rollout_resumes_across_syncs():
+    run = _fully_async(0.5)
+    # at most (1 + 0.5) x 8 new prompts per version; answers aborted at a sync continue on the new weights
+    assert max(run.admitted) <= 12 and sum(run.admitted) > 8 * 5
+    assert run.resumed_answers > 0
+    assert run.max_groups_in_flight <= 12
+
+
+def test_fully_async_keeps_at_most_16_prompts_in_flight_per_server():
+    run = _fully_async(1.0, servers=1, required=16, versions=2)
+    assert run.max_groups_in_flight == 16  # fully_async_rollouter: max_concurrent_samples = servers x 16
+
+
+def test_fully_async_staleness_shortens_the_trainers_wait_on_a_heavy_tail():
+    # The trainer waits for the slowest prompt of each version at staleness 0; streaming past the sync hides it.
+    assert np.mean(_fully_async(0.5).gen_seconds[1:]) < 0.7 * np.mean(_fully_async(0.0).gen_seconds[1:])

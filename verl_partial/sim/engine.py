@@ -4,10 +4,13 @@ What it models, and why each piece matters for partial rollout:
 
 * **Continuous batching.** Every engine step decodes one token for every running request; requests
   join at step boundaries and leave when they finish, so a short request's slot is refilled at once.
-* **Roofline step cost.** A step reads the weights once plus the KV cache of every running token, and
-  computes 2 x params FLOPs per token plus attention; its time is the larger of bytes / bandwidth and
-  FLOPs / peak, each derated by a stated efficiency. This is what makes a GPU decode step at 200
-  requests cost little more than one at 8 -- the idle capacity a synchronous step wastes on its tail.
+* **Roofline step cost, per phase.** A step runs two kinds of kernels one after the other: the linear layers
+  (read the weights once, 2 x params FLOPs per token) and attention (read the KV cache of every running token,
+  4 x layers x heads x head_dim FLOPs per cached token). Each phase takes the larger of its bytes / bandwidth
+  and its FLOPs / peak (derated by a stated efficiency); the step is their sum. A single max over the summed
+  bytes and FLOPs would let attention's KV reads hide under the linear layers' compute, which no kernel does.
+  This is what makes a GPU decode step at 200 requests cost little more than one at 8 -- the idle capacity a
+  synchronous step wastes on its tail.
 * **KV-cache capacity.** (HBM x gpu_memory_utilization - weights - activation reserve) / KV bytes per
   token caps the tokens held; requests wait for room and the newest running request is preempted
   (recomputed later, vLLM's default) when decoding would overflow it. ``max_num_seqs`` caps requests.
@@ -75,18 +78,32 @@ class ServerSpec:
     def step_seconds(
         self, decode_requests: int, decode_context: float, prefill_tokens: int = 0, prefill_attention: float = 0.0
     ) -> float:
-        """Time of one engine step: roofline over the server's ``tp`` GPUs.
+        """Time of one engine step: roofline of each phase (linear layers, attention) over the ``tp`` GPUs.
 
         ``decode_context``: cached tokens the running requests attend to (sum of their lengths).
         ``prefill_attention``: query x key pairs of the prefill chunk (c x (p + c/2) for a chunk of c
         tokens after p already computed ones).
         """
+        return (
+            self.step_overhead_s
+            + self._linear_seconds(decode_requests + prefill_tokens)
+            + float(self._attention_seconds(decode_context + prefill_tokens, decode_context + prefill_attention))
+        )
+
+    def _linear_seconds(self, tokens: int) -> float:
+        """The linear layers: the weights are read once per step, 2 x params FLOPs per token."""
         model, gpu, eff = self.model, self.gpu, self.efficiency
-        read = model.weight_bytes + model.kv_bytes_per_token * (decode_context + prefill_tokens)
-        flops = model.linear_flops_per_token * (decode_requests + prefill_tokens)
-        flops += model.attention_flops_per_context_token * (decode_context + prefill_attention)
-        return self.step_overhead_s + max(
-            read / (self.tp * gpu.hbm_bandwidth * eff.bandwidth), flops / (self.tp * gpu.bf16_flops * eff.compute)
+        return max(
+            model.weight_bytes / (self.tp * gpu.hbm_bandwidth * eff.bandwidth),
+            model.linear_flops_per_token * tokens / (self.tp * gpu.bf16_flops * eff.compute),
+        )
+
+    def _attention_seconds(self, kv_tokens: float | np.ndarray, pairs: float | np.ndarray) -> float | np.ndarray:
+        """Attention: the KV cache of ``kv_tokens`` tokens is read (or written), ``pairs`` query-key products."""
+        model, gpu, eff = self.model, self.gpu, self.efficiency
+        return np.maximum(
+            model.kv_bytes_per_token * kv_tokens / (self.tp * gpu.hbm_bandwidth * eff.bandwidth),
+            model.attention_flops_per_context_token * pairs / (self.tp * gpu.bf16_flops * eff.compute),
         )
 
     def decode_seconds(self, requests: int, context: float, steps: int) -> np.ndarray:
@@ -95,13 +112,8 @@ class ServerSpec:
         The context grows by ``requests`` tokens a step; the array is closed form, so a run of decode steps
         between two events costs one numpy call.
         """
-        model, gpu, eff = self.model, self.gpu, self.efficiency
         ctx = context + requests * np.arange(steps, dtype=np.float64)
-        memory = (model.weight_bytes + model.kv_bytes_per_token * ctx) / (self.tp * gpu.hbm_bandwidth * eff.bandwidth)
-        compute = (model.linear_flops_per_token * requests + model.attention_flops_per_context_token * ctx) / (
-            self.tp * gpu.bf16_flops * eff.compute
-        )
-        return np.cumsum(np.maximum(memory, compute) + self.step_overhead_s)
+        return np.cumsum(self._attention_seconds(ctx, ctx) + (self._linear_seconds(requests) + self.step_overhead_s))
 
     def throughput_limit(self, mean_context: float) -> float:
         """Decode tokens/s of the server at full concurrency with requests of ``mean_context`` tokens on average.
