@@ -37,9 +37,10 @@ from verl_partial.core.on_policy import LengthEstimator
 from verl_partial.core.partial_config import PartialConfig
 from verl_partial.core.pool import GroupState, RolloutPool, SampleState, SegmentRequest, SegmentResult
 from verl_partial.core.scheduler import StepResult, run_step
+from verl_partial.core.turn_metrics import parked_turn_metrics, trained_turn_metrics
 from verl_partial.glue.engines import EngineAdapter, engine_adapter
 from verl_partial.glue.partial_agent_loop import FinishedSample, PartialAgentLoopWorker, SegmentAnswer, SegmentCall
-from verl_partial.glue.partial_tool_loop import ROW_KEYS, tool_loop_metrics
+from verl_partial.glue.partial_tool_loop import ROW_KEYS
 
 logger = logging.getLogger("verl_partial.partial")
 
@@ -476,7 +477,10 @@ class PartialRolloutLoader:
                 held_back,
             )
         dump = None if self.config.dump_dir is None else functools.partial(self._dump, step)
-        extra.update(tool_loop_metrics([s.payload for g in result.trained for s in g.samples if s.payload is not None]))
+        if manager.rollout_config.agent.default_agent_loop == "tool_agent":
+            extra.update(trained_turn_metrics([s.payload for g in result.trained for s in g.samples], step - 1))
+            parked = [s.payload for g in self.pool.groups.values() for s in g.samples if s.payload is not None]
+            extra.update(parked_turn_metrics(parked))
         manager.prepare(result, step - 1, extra, on_hand_over=dump)
         self._write_ledger(step)
         rows = []

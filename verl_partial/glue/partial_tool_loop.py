@@ -329,16 +329,3 @@ async def run_tool_segment(
         payload=traj.state_dict(),
     )
 
-
-def tool_loop_metrics(payloads: list[dict[str, Any]]) -> dict[str, float]:
-    """``partial/*`` multi-turn metrics of the trajectories trained this step."""
-    if not payloads:
-        return {}
-    turns = [payload["assistant_turns"] + payload["user_turns"] + 1 for payload in payloads]
-    calls = [payload["tool_calls_made"] for payload in payloads]
-    return {
-        "partial/turns_per_sample/mean": sum(turns) / len(turns),
-        "partial/turns_per_sample/max": float(max(turns)),
-        "partial/tool_calls": float(sum(calls)),
-        "partial/tool_calls_per_sample/mean": sum(calls) / len(calls),
-    }
