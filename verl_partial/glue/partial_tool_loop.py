@@ -328,4 +328,3 @@ async def run_tool_segment(
         prompt_ids=traj.prompt_ids if payload is None else None,
         payload=traj.state_dict(),
     )
-
