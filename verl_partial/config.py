@@ -146,6 +146,33 @@ def check_balance_against_trainer(config: DictConfig) -> None:
         )
     if balance.enable and uses_critic(config):
         check_balance_critic(config)
+    if balance.rows == "transition":
+        check_transition_rows(config)
+
+
+def check_transition_rows(config: DictConfig) -> None:
+    """``balance.rows=transition`` cuts multi-turn rows into model turns and mirrors verl v1's GRPO rule; refuse
+    the settings it cannot honour, naming each key."""
+    rollout, algorithm = config.actor_rollout_ref.rollout, config.algorithm
+    problems = []
+    if not rollout.get("multi_turn", {}).get("enable", False):
+        problems.append(
+            "actor_rollout_ref.rollout.multi_turn.enable must be true: a single-turn row is already one transition"
+        )
+    if str(algorithm.adv_estimator).lower() != "grpo":
+        problems.append(
+            f"algorithm.adv_estimator must be grpo (got {algorithm.adv_estimator}): advantages are computed per "
+            "trajectory from its final transition and broadcast, verl v1's rule, which verl defines for GRPO only"
+        )
+    if uses_critic(config):
+        problems.append("no critic (critic.enable=false): values per transition are not defined by verl")
+    if algorithm.get("use_kl_in_reward", False):
+        problems.append(
+            "algorithm.use_kl_in_reward must be false: GRPO reads the final transition's reward, which would drop "
+            "the KL penalty of the trajectory's earlier turns"
+        )
+    if problems:
+        raise ValueError("balance.rows=transition cannot run with this config:\n  - " + "\n  - ".join(problems))
 
 
 def uses_critic(config: DictConfig) -> bool:

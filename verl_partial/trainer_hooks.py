@@ -7,6 +7,7 @@ behaves exactly like verl's without our overrides.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import os
 from typing import Any
@@ -142,11 +143,40 @@ def balance_batch(
     mini_batch = trainer.config.actor_rollout_ref.actor.ppo_mini_batch_size * trainer.config.actor_rollout_ref.rollout.n
     model_config = _model_config(trainer.config.actor_rollout_ref.model.path) if config.cost == "flops" else None
     sizes = dict(config=config, dp_size=dp_size, mini_batch_size_samples=mini_batch, model_config=model_config)
+    transitions = config.rows == "transition"
+    if transitions:
+        from verl_partial.glue.transitions import expand_to_transitions
+
+        pad_token_id = trainer.tokenizer.pad_token_id
+        metrics.update(expand_to_transitions(batch, row_multiple=mini_batch, pad_token_id=pad_token_id))
     if config.enable:
         metrics.update(balance_batch_by_group(batch, **sizes))
     else:
         verl_default(batch, metrics)
         metrics.update(measure_batch_order(batch, **sizes))
+    if transitions:
+        from verl_partial.glue.transitions import trajectories_split
+
+        metrics.update(trajectories_split(batch, dp_size=dp_size, mini_batch_size_samples=mini_batch))
+
+
+def transition_advantage(data: Any, compute_advantage: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """verl's ``compute_advantage``, or for a batch cut into transitions (``balance.rows=transition``) the
+    per-trajectory GRPO broadcast of verl v1."""
+    from verl_partial.glue.transitions import TRANSITIONS_META
+    from verl_partial.glue.transitions import transition_advantage as broadcast
+
+    if not data.meta_info.get(TRANSITIONS_META, False):
+        return compute_advantage(data, *args, **kwargs)
+    bound = inspect.signature(compute_advantage).bind(data, *args, **kwargs)
+    options = {name: value for name, value in bound.arguments.items() if name != "data"}
+    estimator = str(getattr(options.get("adv_estimator"), "value", options.get("adv_estimator")))
+    if estimator != "grpo":
+        raise ValueError(
+            f"balance.rows=transition supports algorithm.adv_estimator=grpo only (verl v1's per-trajectory rule), "
+            f"got {estimator!r}"
+        )
+    return broadcast(data, compute_advantage, **options)
 
 
 @functools.lru_cache(maxsize=4)

@@ -452,6 +452,16 @@ def _patch_ray_trainer(module: ModuleType) -> None:
         return metrics
 
     module.compute_timing_metrics = compute_timing_metrics
+
+    # fit() calls the module-level compute_advantage. With balance.rows=transition the batch is flagged (only
+    # then) and GRPO runs on each trajectory's final transition, broadcast to the others (verl v1's rule).
+    original_advantage = module.compute_advantage
+
+    @functools.wraps(original_advantage)
+    def compute_advantage(data, *args, **kwargs):
+        return trainer_hooks.transition_advantage(data, original_advantage, args, kwargs)
+
+    module.compute_advantage = compute_advantage
     after_import(ROLLOUT_CORR_MODULE, _patch_rollout_corr_helper)
 
 

@@ -59,6 +59,21 @@ BAD_CONFIGS: list[tuple[tuple[str, ...], str]] = [
     (("+balance=group", "trainer.use_v1=false", "balance.keep_group_on_rank=2"), "balance.keep_group_on_rank"),
     (("+balance=group", "trainer.use_v1=false", "balance.group_key=''"), "balance.group_key"),
     (("+balance=group", "trainer.use_v1=false", "+balance.unknown=1"), "balance.unknown"),
+    (("+balance=group", "trainer.use_v1=false", "balance.rows=turns"), "balance.rows"),
+    (
+        ("+balance=group", "trainer.use_v1=false", "algorithm.adv_estimator=grpo", "balance.rows=transition"),
+        "actor_rollout_ref.rollout.multi_turn.enable",
+    ),
+    (
+        (
+            "+balance=group",
+            "trainer.use_v1=false",
+            "algorithm.adv_estimator=rloo",
+            "actor_rollout_ref.rollout.multi_turn.enable=true",
+            "balance.rows=transition",
+        ),
+        "algorithm.adv_estimator",
+    ),
     # teammate D's critic rules (config.check_balance_critic); GAE, verl's default estimator, trains a critic
     (("+balance=group", "trainer.use_v1=false", "critic.shuffle=true"), "critic.shuffle"),
     (("+balance=group", "trainer.use_v1=false", "critic.ppo_mini_batch_size=64"), "critic.ppo_mini_batch_size"),

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["BalanceConfig", "COST_MODELS", "ON_INFEASIBLE_MODES"]
+__all__ = ["BalanceConfig", "COST_MODELS", "ON_INFEASIBLE_MODES", "ROW_MODES"]
 
 #: Allowed values of ``balance.cost``.
 COST_MODELS: tuple[str, ...] = ("workload", "tokens", "flops")
 #: Allowed values of ``balance.on_infeasible``.
 ON_INFEASIBLE_MODES: tuple[str, ...] = ("error", "split")
+#: Allowed values of ``balance.rows``.
+ROW_MODES: tuple[str, ...] = ("trajectory", "transition")
 # Config path of the block, used in error messages so users can find the key to fix.
 _PREFIX = "balance"
 
@@ -42,6 +44,14 @@ class BalanceConfig:
             ValueError naming the sizes; ``split`` cuts the fewest groups needed, counts them in
             ``balance/fallback_groups_split`` and carries on. Batch/mini-batch/dp divisibility errors are
             always raised: verl itself cannot run such a batch.
+        rows: What one training row is. ``trajectory`` (verl's v0 layout): one row per rollout, multi-turn
+            responses with tool output masked. ``transition`` (agent-lightning's layout, verl v1's
+            multi-output semantics): each multi-turn row is cut into one row per model turn before balancing
+            (prompt = the context so far, response = that turn), the trajectory's reward is copied to every
+            transition, the row count is padded with zero-mask rows to a multiple of the mini-batch, and GRPO
+            advantages come from each trajectory's final transition, broadcast to the others. Adds the
+            ``trajectory_id`` column to group by (``balance.group_key=trajectory_id``). Needs multi-turn
+            rollout and GRPO; see :mod:`verl_partial.core.transitions`.
     """
 
     enable: bool = False
@@ -49,6 +59,7 @@ class BalanceConfig:
     cost: str = "workload"
     keep_group_on_rank: bool = False
     on_infeasible: str = "error"
+    rows: str = "trajectory"
 
     def __post_init__(self) -> None:
         # Bool checks are strict: a YAML typo such as ``enable: "false"`` would otherwise be truthy.
@@ -67,3 +78,5 @@ class BalanceConfig:
             raise ValueError(
                 f"{_PREFIX}.on_infeasible must be one of {list(ON_INFEASIBLE_MODES)}, got {self.on_infeasible!r}"
             )
+        if self.rows not in ROW_MODES:
+            raise ValueError(f"{_PREFIX}.rows must be one of {list(ROW_MODES)}, got {self.rows!r}")
