@@ -3,7 +3,8 @@
 Projection: Qwen2.5-7B (TP1, 8 servers) and Qwen2.5-32B (TP2, 4 servers) on 8 x H100 SXM; 128 prompts x 16
 samples per step; prompt 256 tokens; response lengths lognormal with median 1,024 and p99/p50 of 8 or 20, capped
 at 32,768; a 512-prompt data set (an epoch every 4 steps, so the on-policy mode has each prompt's history from
-the second epoch on). Modes: sync, the default preset, keep, kimi, on_policy, on_policy with over-provisioning.
+the second epoch on). Modes: sync, the default preset, keep, kimi, on_policy, on_policy with over-provisioning,
+and keep with a quarter of the batch in extra groups (the setting docs/gpu-projection.md recommends).
 
 Length bias: one Qwen2.5-7B server (one GPU's share of the projection: 16 prompts x 16 per step), the heavier
 tail (p99/p50 = 20), every staleness policy x extra_groups in {1/16, 1/4, 1/2, 1} x batch; KS distance of
@@ -15,6 +16,7 @@ All parameters were fixed before the first run; nothing is tuned to a result.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -27,18 +29,20 @@ from verl_partial.sim.workload import Workload
 
 NO_STALLS = {"request_timeout_s": 1e9}
 SETUPS = {"7B": (ServerSpec(H100_SXM, QWEN25_7B, tp=1), 8), "32B": (ServerSpec(H100_SXM, QWEN25_32B, tp=2), 4)}
-MODES = ("sync", "partial", "keep", "kimi", "on_policy", "on_policy_over")
+MODES = ("sync", "partial", "keep", "kimi", "on_policy", "on_policy_over", "keep_quarter")
 # The on-policy modes need one epoch (4 steps) of prompt history before their estimates exist.
 WARMUP = {"sync": 0, "on_policy": 4, "on_policy_over": 4}
 
 
-def projection(steps: int) -> list[dict[str, object]]:
+def projection(steps: int, step_overhead_s: float = 0.0) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     for size, (spec, servers) in SETUPS.items():
+        spec = dataclasses.replace(spec, step_overhead_s=step_overhead_s)
         for tail in (8.0, 20.0):
             load = Workload(batch=128, n=16, p50=1024, p99_over_p50=tail, response_length=32768, prompts=512)
             limit = throughput_limit(spec, servers, load)
             configs = mode_configs(load.batch)
+            configs["keep_quarter"] = PartialConfig(staleness_policy="keep", extra_groups=load.batch // 4, **NO_STALLS)
             runs = {}
             for mode in MODES:
                 warmup = WARMUP.get(mode, 2)
@@ -74,12 +78,15 @@ def main() -> None:
     parser.add_argument("--bias-steps", type=int, default=40)
     parser.add_argument("--bias-batch", type=int, default=16, help="prompts per step on the one simulated server")
     parser.add_argument("--only", choices=("projection", "bias"))
+    parser.add_argument(
+        "--step-overhead-ms", type=float, default=0.0, help="what-if fixed cost per engine step (0 = the model)"
+    )
     args = parser.parse_args()
     started = time.time()
     out = Path(args.out)
     report = json.loads(out.read_text()) if out.exists() else {}
     if args.only != "bias":
-        report["projection"] = projection(args.steps)
+        report["projection"] = projection(args.steps, args.step_overhead_ms / 1e3)
     if args.only != "projection":
         report[f"bias_batch{args.bias_batch}"] = bias_sweep(args.bias_steps, args.bias_batch)
     report["cpu_seconds"] = time.time() - started

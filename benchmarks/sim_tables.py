@@ -13,6 +13,7 @@ MODE_NAMES = {
     "kimi": "`kimi` (budget 1024, extra 8, keep)",
     "on_policy": "`on_policy` (staleness 0, longest first)",
     "on_policy_over": "on_policy + 32 extra groups (restart)",
+    "keep_quarter": "`keep` + 32 extra groups (a quarter of the batch)",
 }
 
 
