@@ -62,7 +62,15 @@ START, END = "<!-- vllm-trainer:start -->", "<!-- vllm-trainer:end -->"
 AGENT_LOOP = "imposed_length_agent"
 # The imposed-length workload reaches the Ray workers through the environment they inherit from the driver.
 TARGET_ENV = "VERL_PARTIAL_BENCH_TARGET"  # "seed,median,sigma,cap"
-MODES = {"sync": None, "partial": "default", "on_policy": "on_policy"}
+# mode -> (preset, overrides on top of it). partial_extra8: the default preset with twice its over-provisioning
+# (24 groups in flight for 16 trained), the depth of the issue's "stop at 64 of 96" measurement.
+MODES: dict[str, tuple[str | None, tuple[str, ...]]] = {
+    "sync": (None, ()),
+    "partial": ("default", ()),
+    "on_policy": ("on_policy", ()),
+    "partial_extra8": ("default", ("partial.extra_groups=8",)),
+}
+DEFAULT_MODES = ("sync", "partial", "on_policy")
 ENGINES = ("cpu_vllm", "cpu")
 RUN_TIMEOUT_S = 1200  # one trainer run, once it holds the lock
 
@@ -82,6 +90,10 @@ class Lengths:
     def from_env(cls) -> Lengths:
         seed, median, sigma, cap = os.environ[TARGET_ENV].split(",")
         return cls(int(seed), float(median), float(sigma), int(cap))
+
+    def mean(self, draws: int = 20_000) -> float:
+        """Mean imposed length (over many prompts): the request length of the engine-limit measurement."""
+        return statistics.fmean(self.target([draw], 0) for draw in range(draws))
 
     def target(self, prompt_ids: Any, index: int) -> int:
         """Imposed response length of sample ``index`` of this prompt: lognormal, capped, >= 1."""
@@ -264,8 +276,8 @@ def run_one(engine: str, mode: str, paths: dict[str, Path], wl: Workload, out_ro
         [],
         steps=wl.steps,
         output_dir=run_dir,
-        partial=MODES[mode],
-        extra=trainer_overrides(paths, wl, run_dir, mode),
+        partial=MODES[mode][0],
+        extra=[*trainer_overrides(paths, wl, run_dir, mode), *MODES[mode][1]],
         backend=engine,
     )
     env = {
@@ -329,8 +341,9 @@ def tables(results: dict[str, Any]) -> str:
                   lengths=Lengths(**results["workload"]["lengths"]))  # fmt: skip
     lines = [
         "| engine | mode | gen s/step (steps >= 2, mean ± std) | speed-up vs sync | staleness max | tokens generated "
-        "/ step | tokens trained / step | tokens discarded / step | resumed fraction | step s (whole step) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "/ step | tokens trained / step | tokens discarded / step | resumed fraction | generated tokens/s "
+        "(% of engine limit) | step s (whole step) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     per_step = ["| engine | mode | " + " | ".join(f"step {i}" for i in range(1, wl.steps + 1)) + " |",
                 "|---|---|" + "---:|" * wl.steps]  # fmt: skip
@@ -339,19 +352,40 @@ def tables(results: dict[str, Any]) -> str:
         sync = next((summarise(r, wl)["gen_s"] for r in runs if r["mode"] == "sync" and r["returncode"] == 0), None)
         for run in runs:
             if run["returncode"] != 0:
-                lines.append(f"| {engine} | {run['mode']} | failed (exit {run['returncode']}) | | | | | | | |")
+                lines.append(f"| {engine} | {run['mode']} | failed (exit {run['returncode']}) | | | | | | | | |")
                 continue
             s = summarise(run, wl)
             speed = f"{sync / s['gen_s']:.2f}x" if sync else "n/a"
+            rate = s["tokens_generated"] / s["gen_s"]
+            limit = results.get("peak", {}).get(engine, {}).get("tokens_per_s_64")
+            rate_cell = f"{rate:,.0f}" + (f" ({100 * rate / limit:.0f} %)" if limit else "")
             lines.append(
                 f"| {engine} | {run['mode']} | {s['gen_s']:.2f} ± {s['gen_s_std']:.2f} | {speed} | "
                 f"{s['staleness_max']:.0f} | {s['tokens_generated']:,.0f} | {s['tokens_trained']:,.0f} | "
-                f"{s['tokens_discarded']:,.0f} | {s['resumed_fraction']:.2f} | {s['step_s']:.1f} |"
+                f"{s['tokens_discarded']:,.0f} | {s['resumed_fraction']:.2f} | {rate_cell} | {s['step_s']:.1f} |"
             )
             cells = [f"{float(run['steps'][str(i)]['timing_s/gen']):.2f}" if str(i) in run["steps"] else "-"
                      for i in range(1, wl.steps + 1)]  # fmt: skip
             per_step.append(f"| {engine} | {run['mode']} | " + " | ".join(cells) + " |")
-    return "\n".join([*lines, "", "verl's `timing_s/gen` of every step (step 1 is warm-up):", "", *per_step])
+    limits = [
+        f"{engine}: {rates['tokens_per_s_64']:,.0f} tokens/s at 64 requests, {rates['tokens_per_s_1']:,.0f} at 1 "
+        f"({rates['tokens_per_s_64'] / rates['tokens_per_s_1']:.1f}x)"
+        for engine, rates in results.get("peak", {}).items()
+        if rates
+    ]
+    return "\n".join(
+        [
+            *lines,
+            "",
+            "Engine limit (each engine alone, 77-token requests submitted at once, best of 3): " + "; ".join(limits)
+            if limits
+            else "Engine limit: not measured.",
+            "",
+            "verl's `timing_s/gen` of every step (step 1 is warm-up):",
+            "",
+            *per_step,
+        ]
+    )
 
 
 def header(results: dict[str, Any]) -> str:
@@ -389,6 +423,66 @@ def machine() -> dict[str, str]:
             "python": platform.python_version(), "packages": packages}  # fmt: skip
 
 
+def peak(engine: str, model_dir: Path, tokens: int, repeats: int = 3) -> dict[str, float]:
+    """Engine tokens/s with 1 and with 64 requests of ``tokens`` tokens each submitted at once (``ignore_eos``),
+    best of ``repeats``: the engine's own limit, outside the trainer (run under the lock by ``--peak``)."""
+    import asyncio
+
+    import torch
+
+    prompts = [[(7 * i + 3 * j) % 300 + 10 for j in range(30)] for i in range(64)]
+    best: dict[str, float] = {}
+    if engine == "cpu_vllm":
+        from vllm import LLM, SamplingParams, TokensPrompt
+
+        llm = LLM(str(model_dir), dtype="float32", enforce_eager=True, max_num_seqs=64, max_model_len=576, seed=0)
+        params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=1.0)
+        llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], params, use_tqdm=False)  # warm-up
+        for batch in (1, 64):
+            for _ in range(repeats):
+                started = time.perf_counter()
+                llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:batch]], params, use_tqdm=False)
+                rate = batch * tokens / (time.perf_counter() - started)
+                best[f"tokens_per_s_{batch}"] = max(best.get(f"tokens_per_s_{batch}", 0.0), rate)
+        return best
+    from transformers import Qwen2ForCausalLM
+
+    from verl_partial.cpu_backend.engine import CpuBatchedEngine
+    from verl_partial.cpu_backend.engine import SamplingParams as CpuParams
+
+    model = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    async def run() -> None:
+        engine_ = CpuBatchedEngine(model, eos_token_ids=set(), max_num_seqs=64, max_model_len=576, seed=0)
+        params = CpuParams(max_tokens=tokens, temperature=1.0, ignore_eos=True)
+        await engine_.generate("warmup", prompts[0], params)
+        for batch in (1, 64):
+            for repeat in range(repeats):
+                started = time.perf_counter()
+                await asyncio.gather(
+                    *[engine_.generate(f"{batch}/{repeat}/{i}", prompts[i], params) for i in range(batch)]
+                )
+                rate = batch * tokens / (time.perf_counter() - started)
+                best[f"tokens_per_s_{batch}"] = max(best.get(f"tokens_per_s_{batch}", 0.0), rate)
+        await engine_.close()
+
+    asyncio.run(run())
+    return best
+
+
+def measure_peak(engine: str, model_dir: Path, tokens: int) -> dict[str, float]:
+    """:func:`peak` in its own process, under the shared lock."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    command = [sys.executable, __file__, "--peak", engine, str(model_dir), str(tokens)]
+    done = subprocess.run(["flock", LOCK, *command], env=env, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("PEAK ")]
+    if done.returncode != 0 or not lines:
+        print(f"peak {engine} failed:\n{done.stderr[-3000:]}", flush=True)
+        return {}
+    print(f"peak {engine}: {lines[-1][5:]}", flush=True)
+    return json.loads(lines[-1][5:])
+
+
 def measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     """Every (engine, mode) run in turn, modes round-robin; the JSON is rewritten after each run."""
     started = time.time()
@@ -406,8 +500,12 @@ def measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         "total_seconds": 0.0,
         "runs": kept,
     }
+    if args.peak_only:
+        for engine in args.engines.split(","):
+            results.setdefault("peak", {})[engine] = measure_peak(engine, paths["model"], round(wl.lengths.mean()))
+        args.modes = ""
     for engine in args.engines.split(","):
-        for mode in args.modes.split(","):
+        for mode in filter(None, args.modes.split(",")):
             if any(run["engine"] == engine and run["mode"] == mode for run in kept):
                 continue
             results["runs"].append(run_one(engine, mode, paths, wl, args.work_dir / "runs"))
@@ -421,20 +519,28 @@ def measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--peak":  # child process of measure_peak
+        print("PEAK " + json.dumps(peak(sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]))), flush=True)
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated: cpu_vllm,cpu")
-    parser.add_argument("--modes", default=",".join(MODES), help="comma-separated: sync,partial,on_policy")
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, of {list(MODES)}")
     parser.add_argument("--steps", type=int, default=Workload.steps)
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/verl_partial_bench_vllm_trainer"))
     parser.add_argument("--json", type=Path, help="write (or with --from-json read) the results here")
-    parser.add_argument("--from-json", type=Path, help="re-render stored results, run nothing")
+    parser.add_argument("--from-json", type=Path, nargs="+", help="re-render stored results (runs merged), run nothing")
+    parser.add_argument("--peak-only", action="store_true", help="measure each engine's own limit, no trainer runs")
     parser.add_argument(
         "--keep", action="store_true", help="with --json: keep its successful runs, run only missing or failed ones"
     )
     parser.add_argument("--out", type=Path, help="markdown file whose vllm-trainer block is replaced (or appended)")
     args = parser.parse_args(argv)
     if args.from_json:
-        results = json.loads(args.from_json.read_text())
+        stored = [json.loads(path.read_text()) for path in args.from_json]
+        results = {**stored[0], "runs": [run for part in stored for run in part["runs"]]}
+        results["total_seconds"] = sum(part["total_seconds"] for part in stored)
+        results["peak"] = {engine: rates for part in stored for engine, rates in part.get("peak", {}).items()}
+        results["runs"].sort(key=lambda run: (ENGINES.index(run["engine"]), list(MODES).index(run["mode"])))
     else:
         results = measure(args, argv)
     text = header(results) + "\n\n" + tables(results)
