@@ -124,6 +124,7 @@ def multi_turn_batch(seed: int = 0, n_prompts: int = 3, n: int = 2) -> DataProto
             "rollout_policy_version": versions,
             "rm_scores": scores,
             "row_id": torch.arange(rows),
+            "dummy_tensor": torch.arange(rows)[:, None] * 10,  # per-row, like verl's dataset dummy tensor
         },
         non_tensors={
             "uid": uid,
@@ -174,6 +175,7 @@ def test_each_transition_is_the_original_tokens_up_to_its_turn():
         assert t["rm_scores"][i].sum() == o["rm_scores"][src].sum() == t["rm_scores"][i, length - 1]
         assert batch.non_tensor_batch[TRAJECTORY_ID][i] == f"{original.non_tensor_batch['uid'][src]}/{src}"
         assert batch.non_tensor_batch["uid"][i] == original.non_tensor_batch["uid"][src]
+        assert t["dummy_tensor"][i].tolist() == [src * 10]
         assert batch.non_tensor_batch["__num_turns__"][i] == original.non_tensor_batch["__num_turns__"][src]
         assert batch.non_tensor_batch[IS_FINAL][i] == (turn == len(spans) - 1)
     # every model turn of every trajectory became exactly one row
@@ -187,7 +189,7 @@ def test_each_transition_is_the_original_tokens_up_to_its_turn():
 
 def test_unknown_tensor_layout_is_refused_naming_the_key():
     batch = multi_turn_batch()
-    batch.batch["odd"] = torch.zeros((len(batch), P + 1))
+    batch.batch["odd"] = torch.zeros((len(batch), P + R))  # sequence-aligned, unknown to the cut
     with pytest.raises(ValueError, match=r"balance.rows=transition.*'odd'"):
         expand_to_transitions(batch, row_multiple=4, pad_token_id=PAD)
 

@@ -10,7 +10,8 @@ several outputs per sample (see the core module's docstring):
   the turn's tokens, right-padded to the original response width; position ids recomputed from the attention
   mask (verl's ``compute_position_id_with_mask``, what the agent loop uses for text);
 * every response-aligned tensor (``responses``, ``response_mask``, ``rollout_log_probs``, partial rollout's
-  per-token policy versions, ...) is sliced; per-row tensors and non-tensor columns are copied;
+  per-token policy versions, ...) is sliced; per-row tensors (width neither the response's, the prompt's nor
+  the sequence's) and non-tensor columns are copied; any other prompt- or sequence-aligned tensor is refused;
 * ``rm_scores``: the trajectory's reward on the last token of every transition (v1 copies the final output's
   ``reward_score`` to all outputs of the session);
 * padding rows (copies of the cheapest transition with ``response_mask`` and ``rm_scores`` zeroed, own
@@ -160,15 +161,15 @@ def _transition_tensors(
             scores = torch.zeros((len(plan), response_width), dtype=values.dtype)
             scores[rows, (length - 1).clamp(min=0)] = score
             out[key] = scores
-        elif values.dim() == 1:
-            out[key] = values[source]
-        elif values.shape[1] == response_width:
+        elif values.dim() >= 2 and values.shape[1] == response_width:
             out[key] = turn_slice(values, _RESPONSE_FILL.get(key, 0))
-        else:
+        elif values.dim() >= 2 and values.shape[1] in (prompt_width, prompt_width + response_width):
             raise ValueError(
-                f"{_KEY}: batch tensor {key!r} of shape {tuple(values.shape)} is neither per-row nor aligned with the "
-                f"response (width {response_width}), so it cannot be cut into transitions; set balance.rows=trajectory"
+                f"{_KEY}: batch tensor {key!r} of shape {tuple(values.shape)} is laid out over the prompt or the whole "
+                "sequence, which this cut does not know how to rebuild; set balance.rows=trajectory"
             )
+        else:  # per-row values (e.g. verl's dataset ``dummy_tensor`` of shape [B, 1])
+            out[key] = values[source]
     out["response_mask"] = out["response_mask"].masked_fill(padding[:, None], 0)
     return out
 
