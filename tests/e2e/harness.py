@@ -11,17 +11,27 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from verl_partial.cli import demo_command
 from verl_partial.demo.assets import DemoAssets, hydra_overrides
 
 RUN_TIMEOUT_S = 420
+# |rollout log-prob - log-prob recomputed by transformers under the token's own weights|, fp32 everywhere. The
+# engines compute incrementally (KV cache; vLLM with oneDNN GEMMs, its attention, fused RMSNorm), transformers in
+# one full-sequence pass, so fp32 rounding differs. Measured, one 4-step run each: our engine max 8.8e-5, mean
+# 6.7e-7 (3,973 tokens); vLLM max 9.5e-5, mean 7.1e-7, 99.9th percentile 6.1e-5 (3,077 tokens). 1e-4 would flake;
+# 1e-3 is ~10x the measured max. Under the wrong (previous) version's weights the same vLLM tokens differ by up to
+# 0.94 (mean 9.5e-3; a third of them by > 1e-3), so a misattributed sample still fails.
+LOG_PROB_ATOL = 1e-3
 BACKENDS = ("cpu", pytest.param("cpu_vllm", marks=pytest.mark.vllm))
 
 
@@ -76,3 +86,52 @@ def run_trainer(
             record = json.loads(line)
             steps_logged.setdefault(record["step"], {}).update(record["data"])
     return Run(completed.returncode, completed.stdout + completed.stderr, steps_logged, output_dir, backend)
+
+
+def checkpointed_partial_overrides(output_dir: Path) -> list[str]:
+    """A ``+partial`` run that can be cut and resumed: ledger, per-step dump of the trained samples, a checkpoint
+    every step (with the HF weights, so log-probs can be recomputed under each version)."""
+    return [
+        f"partial.ledger_path={output_dir / 'ledger.jsonl'}",
+        f"partial.dump_dir={output_dir / 'dump'}",
+        "trainer.save_freq=1",
+        "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+        "actor_rollout_ref.actor.checkpoint.load_contents=[model,optimizer,extra]",
+    ]
+
+
+def ledger(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def ledger_accounting(events: list[dict]) -> tuple[list[str], set[str], set[str]]:
+    """Group keys trained (in order, repeats kept), admitted, and dropped or failed, from ledger events."""
+    trained = [e["key"] for e in events if e["event"] == "trained"]
+    admitted = {e["key"] for e in events if e["event"] == "admitted"}
+    gone = {e["key"] for e in events if e["event"] in ("dropped", "failed")}
+    return trained, admitted, gone
+
+
+def cut_at_checkpoint(run: Run, step: int, destination: Path) -> Path:
+    """A copy of ``run``'s output as if it had been killed right after its step-``step`` checkpoint: later
+    checkpoints and sample dumps removed, verl's latest-iteration marker and the ledger set back to that step."""
+    shutil.copytree(run.output_dir, destination)
+    checkpoints = destination / "checkpoints"
+    for later in checkpoints.glob("global_step_*"):
+        if int(later.name.rsplit("_", 1)[1]) > step:
+            shutil.rmtree(later)
+    (checkpoints / "latest_checkpointed_iteration.txt").write_text(str(step))
+    for dump in (destination / "dump").glob("step_*.pt"):
+        if int(dump.stem.rsplit("_", 1)[1]) > step:
+            dump.unlink()
+    events = [event for event in ledger(run.output_dir / "ledger.jsonl") if event["step"] <= step]
+    (destination / "ledger.jsonl").write_text("".join(json.dumps(event) + "\n" for event in events))
+    return destination
+
+
+def policy_at(assets: DemoAssets, run: Run, version: int) -> Any:
+    """The policy of ``version`` (the weights after step ``version``; 0 = the initial model), fp32, from ``run``'s
+    HF checkpoints, to recompute rollout log-probs under the weights that generated each token."""
+    path = assets.model_dir if version == 0 else run.checkpoints / f"global_step_{version}" / "actor" / "huggingface"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+    return model.eval()

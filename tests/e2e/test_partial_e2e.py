@@ -8,38 +8,31 @@ checked for invariant 6.
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
-from harness import BACKENDS, Run, run_trainer
-from transformers import AutoModelForCausalLM
+from harness import (
+    BACKENDS,
+    LOG_PROB_ATOL,
+    Run,
+    checkpointed_partial_overrides,
+    cut_at_checkpoint,
+    ledger,
+    ledger_accounting,
+    policy_at,
+    run_trainer,
+)
 
 from verl_partial.glue.partial_rollout import STATE_FILE
 
 pytestmark = pytest.mark.e2e
 
 STEPS, GROUPS, N = 4, 8, 4
-# |rollout log-prob - log-prob recomputed by transformers under the token's own weights|, fp32 everywhere. The
-# engines compute incrementally (KV cache; vLLM with oneDNN GEMMs, its attention, fused RMSNorm), transformers in
-# one full-sequence pass, so fp32 rounding differs. Measured, one 4-step run each: our engine max 8.8e-5, mean
-# 6.7e-7 (3,973 tokens); vLLM max 9.5e-5, mean 7.1e-7, 99.9th percentile 6.1e-5 (3,077 tokens). 1e-4 would flake;
-# 1e-3 is ~10x the measured max. Under the wrong (previous) version's weights the same vLLM tokens differ by up to
-# 0.94 (mean 9.5e-3; a third of them by > 1e-3), so a misattributed sample still fails.
-LOG_PROB_ATOL = 1e-3
 
 
 def partial_overrides(output_dir: Path) -> list[str]:
-    return [
-        f"partial.ledger_path={output_dir / 'ledger.jsonl'}",
-        f"partial.dump_dir={output_dir / 'dump'}",
-        "trainer.save_freq=1",
-        "actor_rollout_ref.actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
-        "actor_rollout_ref.actor.checkpoint.load_contents=[model,optimizer,extra]",
-        "+rollout_correction=decoupled_token_is",
-    ]
+    return [*checkpointed_partial_overrides(output_dir), "+rollout_correction=decoupled_token_is"]
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -59,10 +52,6 @@ def straight_run(request, demo_assets, tmp_path_factory) -> Run:
 
 def dumps(run: Run) -> dict[int, dict]:
     return {step: torch.load(run.output_dir / "dump" / f"step_{step}.pt") for step in range(1, STEPS + 1)}
-
-
-def ledger(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_each_step_trains_whole_groups_with_exact_tokens(straight_run, demo_assets):
@@ -86,14 +75,6 @@ def test_each_step_trains_whole_groups_with_exact_tokens(straight_run, demo_asse
     )
 
 
-def _policy(demo_assets, run: Run, version: int):
-    path = (
-        demo_assets.model_dir if version == 0 else run.checkpoints / f"global_step_{version}" / "actor" / "huggingface"
-    )
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
-    return model.eval()
-
-
 def test_rollout_log_probs_come_from_the_weights_that_generated_each_token(straight_run, demo_assets):
     """Invariant 4: recompute every token under the weights of its own version."""
     models = {}
@@ -104,7 +85,7 @@ def test_rollout_log_probs_come_from_the_weights_that_generated_each_token(strai
             ids = torch.tensor([sample["prompt_ids"] + sample["token_ids"]])
             start = len(sample["prompt_ids"])
             for version in sorted(set(versions)):
-                model = models.setdefault(version, _policy(demo_assets, straight_run, version))
+                model = models.setdefault(version, policy_at(demo_assets, straight_run, version))
                 with torch.no_grad():
                     log_probs = torch.log_softmax(model(ids).logits[0, start - 1 : -1].float(), dim=-1)
                 recomputed = log_probs.gather(-1, ids[0, start:, None])[:, 0]
@@ -140,20 +121,9 @@ def test_trainer_logs_partial_and_lag_split_metrics(straight_run):
     straight_run.metric(STEPS, "partial/untrained_groups_at_end")
 
 
-def _accounting(events: list[dict]) -> tuple[list[str], set[str], set[str]]:
-    trained = [e["key"] for e in events if e["event"] == "trained"]
-    admitted = {e["key"] for e in events if e["event"] == "admitted"}
-    gone = {e["key"] for e in events if e["event"] in ("dropped", "failed")}
-    return trained, admitted, gone
-
-
 def test_resume_from_a_checkpoint_loses_and_duplicates_nothing(straight_run, demo_assets, tmp_path):
     """Invariant 6: cut the straight run at its step-2 checkpoint, resume, compare."""
-    resumed_dir = tmp_path / "resumed"
-    shutil.copytree(straight_run.output_dir, resumed_dir)
-    for step in range(3, STEPS + 1):
-        shutil.rmtree(resumed_dir / "checkpoints" / f"global_step_{step}")
-    (resumed_dir / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
+    resumed_dir = cut_at_checkpoint(straight_run, 2, tmp_path / "resumed")
     in_flight_at_cut = {
         g["key"]
         for g in torch.load(resumed_dir / "checkpoints" / "global_step_2" / STATE_FILE, weights_only=False)["pool"][
@@ -161,8 +131,6 @@ def test_resume_from_a_checkpoint_loses_and_duplicates_nothing(straight_run, dem
         ]
     }
     assert in_flight_at_cut, "the checkpoint must hold in-flight groups"
-    events = [e for e in ledger(straight_run.output_dir / "ledger.jsonl") if e["step"] <= 2]
-    (resumed_dir / "ledger.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
 
     resumed = run_trainer(
         demo_assets,
@@ -175,7 +143,7 @@ def test_resume_from_a_checkpoint_loses_and_duplicates_nothing(straight_run, dem
     resumed.assert_ok()
     assert sorted(resumed.steps) == [3, 4]
 
-    trained, admitted, gone = _accounting(ledger(resumed_dir / "ledger.jsonl"))
+    trained, admitted, gone = ledger_accounting(ledger(resumed_dir / "ledger.jsonl"))
     final_in_flight = {
         g["key"]
         for g in torch.load(resumed_dir / "checkpoints" / f"global_step_{STEPS}" / STATE_FILE, weights_only=False)[
@@ -186,7 +154,9 @@ def test_resume_from_a_checkpoint_loses_and_duplicates_nothing(straight_run, dem
     assert admitted == set(trained) | final_in_flight | gone, "every drawn prompt is trained, in flight or counted"
     assert in_flight_at_cut <= set(trained) | final_in_flight | gone, "in-flight work survived the restart"
 
-    straight_trained, straight_admitted, straight_gone = _accounting(ledger(straight_run.output_dir / "ledger.jsonl"))
+    straight_trained, straight_admitted, straight_gone = ledger_accounting(
+        ledger(straight_run.output_dir / "ledger.jsonl")
+    )
     assert admitted == straight_admitted, "the resumed run draws exactly the prompts the uninterrupted run drew"
 
 
