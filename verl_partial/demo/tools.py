@@ -10,14 +10,18 @@ Registered through verl's tool config file (``actor_rollout_ref.rollout.multi_tu
 :data:`verl_partial.demo.assets.TOOL_CONFIG_PATH` and :func:`verl_partial.demo.assets.tool_overrides`). Set
 ``VERL_PARTIAL_TOOL_LOG`` to a file path to get one JSON line per execution (request id, assistant turn,
 arguments): tests read it to count tool calls and to prove that a resumed trajectory never re-runs a call it
-already made.
+already made. ``VERL_PARTIAL_TOOL_DELAY_S=N`` makes every execution take a random 0 to N seconds (an ``asyncio``
+sleep, as a remote tool would): tests use it so that partial rollout's step ends find trajectories between turns,
+their tool calls running, on purpose.
 """
 
 from __future__ import annotations
 
 import ast
+import asyncio
 import json
 import os
+import random
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,7 @@ from verl.tools.schemas import OpenAIFunctionToolSchema, ToolResponse
 
 TOOL_NAME = "calculator"
 TOOL_LOG_ENV = "VERL_PARTIAL_TOOL_LOG"
+TOOL_DELAY_ENV = "VERL_PARTIAL_TOOL_DELAY_S"
 # Keeps the evaluator cheap whatever the model writes: no huge literals, no deep nesting.
 _MAX_EXPRESSION_CHARS = 64
 _MAX_ABS_VALUE = 10**12
@@ -78,10 +83,17 @@ class CalculatorTool(BaseTool):
         super().__init__(config, tool_schema)
         log_path = os.environ.get(TOOL_LOG_ENV)
         self._log_path = Path(log_path) if log_path else None
+        delay = os.environ.get(TOOL_DELAY_ENV, "0")
+        try:
+            self._delay_s = float(delay)
+        except ValueError:
+            raise ValueError(f"{TOOL_DELAY_ENV} must be a number of seconds, got {delay!r}") from None
 
     async def execute(
         self, instance_id: str, parameters: dict[str, Any], **kwargs: Any
     ) -> tuple[ToolResponse, float, dict[str, Any]]:
+        if self._delay_s > 0:
+            await asyncio.sleep(random.uniform(0, self._delay_s))
         expression = parameters.get("expression")
         if not isinstance(expression, str):
             text = "error: argument 'expression' must be a string"
