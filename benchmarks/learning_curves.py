@@ -208,8 +208,20 @@ def ks_critical(n: int, m: int) -> float:
     return KS_CRITICAL_C * math.sqrt((n + m) / (n * m))
 
 
+def _train_records(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """The training steps (``val_before_train`` logs a step 0 holding validation only)."""
+    return [record for record in run["steps"] if "timing_s/step" in record]
+
+
 def _series(run: dict[str, Any], key: str) -> np.ndarray:
-    return np.array([record.get(key, np.nan) for record in run["steps"]], dtype=np.float64)
+    """``key`` at every training step, NaN where it was not logged."""
+    return np.array([record.get(key, np.nan) for record in _train_records(run)], dtype=np.float64)
+
+
+def _val_series(run: dict[str, Any], key: str) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values) of a validation metric, including step 0 (before training)."""
+    records = [record for record in run["steps"] if key in record]
+    return np.array([r["step"] for r in records]), np.array([r[key] for r in records], dtype=np.float64)
 
 
 def step_seconds(run: dict[str, Any]) -> np.ndarray:
@@ -260,7 +272,7 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
         lengths = _lengths(runs)
         row: dict[str, Any] = {
             "seeds": [run["seed"] for run in runs],
-            "steps": min(len(run["steps"]) for run in runs),
+            "steps": min(len(_train_records(run)) for run in runs),
             "final_reward": _mean_sd(finals),
             "s_per_step": _mean_sd(seconds),
             "gen_s_per_step": _mean_sd(gen),
@@ -269,9 +281,7 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
             "trained_samples": len(lengths),
         }
         if val_key:
-            row["final_val_reward"] = _mean_sd(
-                [float(_series(run, val_key)[~np.isnan(_series(run, val_key))][-1]) for run in runs]
-            )
+            row["final_val_reward"] = _mean_sd([float(_val_series(run, val_key)[1][-1]) for run in runs])
         if name != "sync" and len(sync_lengths) and len(lengths):
             row["ks_vs_sync"] = ks_distance(lengths, sync_lengths)
             row["ks_critical"] = ks_critical(len(lengths), len(sync_lengths))
@@ -295,12 +305,18 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
                 # Where in the run the waits peak: bounded means the late half is no worse than the early half.
                 max_group_wait_first_half=float(
                     np.nanmax(
-                        [np.nanmax(_series(r, "partial/group_wait_steps/max")[: len(r["steps"]) // 2]) for r in runs]
+                        [
+                            np.nanmax(_series(r, "partial/group_wait_steps/max")[: len(_train_records(r)) // 2])
+                            for r in runs
+                        ]
                     )
                 ),
                 max_group_wait_second_half=float(
                     np.nanmax(
-                        [np.nanmax(_series(r, "partial/group_wait_steps/max")[len(r["steps"]) // 2 :]) for r in runs]
+                        [
+                            np.nanmax(_series(r, "partial/group_wait_steps/max")[len(_train_records(r)) // 2 :])
+                            for r in runs
+                        ]
                     )
                 ),
             )
@@ -346,6 +362,58 @@ def table(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# -------------------------------------------------------------------------------------------------------- probe
+
+
+def probe(assets: DemoAssets, prompts: int, samples: int, seed: int) -> dict[str, Any]:
+    """Reward and response length of a demo model before any RL, by answer length (n): is there anything to learn?
+
+    ``samples`` answers per prompt for the first ``prompts`` training prompts, sampled with ``transformers`` at
+    temperature 1 (the rollout's setting), scored with the task's own reward. GRPO learns only from groups whose
+    rewards differ, so the within-bucket spread matters as much as the mean.
+    """
+    import pandas as pd
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verl_partial.demo.task import compute_score
+
+    torch.manual_seed(seed)
+    torch.set_num_threads(1)  # a light probe beside other jobs; one thread is also how the demo assets are built
+    tokenizer = AutoTokenizer.from_pretrained(assets.model_dir)
+    model = AutoModelForCausalLM.from_pretrained(assets.model_dir).eval()
+    rows = []
+    for _, example in pd.read_parquet(assets.train_parquet).head(prompts).iterrows():
+        ids = tokenizer.apply_chat_template(list(example["prompt"]), add_generation_prompt=True, return_tensors="pt")
+        ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
+        with torch.no_grad():
+            out = model.generate(
+                ids.repeat(samples, 1),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=assets.max_response_length,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        truth = example["reward_model"]["ground_truth"]
+        for answer in out[:, ids.shape[1] :]:
+            text = tokenizer.decode(answer, skip_special_tokens=True)
+            length = int((answer != tokenizer.pad_token_id).sum())
+            rows.append((len(truth.split()), compute_score("", text, truth), length))
+    table = np.array(rows, dtype=np.float64)
+    buckets = {}
+    for low, high in ((1, 5), (5, 10), (10, 20), (20, 97)):
+        mask = (table[:, 0] >= low) & (table[:, 0] < high)
+        if mask.any():
+            buckets[f"n {low}-{high - 1}"] = {
+                "answers": int(mask.sum()),
+                "reward_mean": float(table[mask, 1].mean()),
+                "reward_sd": float(table[mask, 1].std()),
+            }
+    return {"reward_mean": float(table[:, 1].mean()), "length_mean": float(table[:, 2].mean()), "by_n": buckets}
+
+
 # --------------------------------------------------------------------------------------------------------- plot
 
 
@@ -372,7 +440,7 @@ def plot(results: dict[str, Any], summary: dict[str, Any], path: Path, smooth: i
         if not runs:
             continue
         color = f"C{index}"
-        n = min(len(run["steps"]) for run in runs)
+        n = min(len(_train_records(run)) for run in runs)
         curves = np.array([_smooth(np.nan_to_num(_series(run, SCORE)[:n]), smooth) for run in runs])
         steps = np.arange(1, n + 1)
         mean, sd = curves.mean(0), curves.std(0)
@@ -423,6 +491,13 @@ def plot(results: dict[str, Any], summary: dict[str, Any], path: Path, smooth: i
 # --------------------------------------------------------------------------------------------------------- main
 
 
+def _asset_cache(train_steps: int) -> Path:
+    """The demo's cache for its own model; a folder beside it for any other (never rebuild the demo's in place)."""
+    if train_steps == DEFAULT_ASSET_TRAIN_STEPS:
+        return DEFAULT_CACHE
+    return DEFAULT_CACHE.with_name(f"demo_train_steps_{train_steps}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--modes", nargs="+", default=list(MODE_ORDER), choices=MODE_ORDER)
@@ -445,18 +520,30 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--plot", type=Path, default=PLOT)
     parser.add_argument("--report-only", action="store_true", help="summarise and plot --out without running")
+    parser.add_argument(
+        "--resume", action="store_true", help="add to the runs in --out: skip (mode, seed) pairs that finished there"
+    )
+    parser.add_argument(
+        "--probe",
+        type=int,
+        nargs="+",
+        metavar="TRAIN_STEPS",
+        help="no runs: sample demo models pretrained for these many steps and print their reward by n",
+    )
     args = parser.parse_args()
 
+    if args.probe:
+        for train_steps in args.probe:
+            assets = build_assets(_asset_cache(train_steps), train_steps=train_steps)
+            print(f"pretraining steps {train_steps}:", json.dumps(probe(assets, prompts=48, samples=4, seed=0)))
+        return
     if args.report_only:
         results = json.loads(args.out.read_text())
     else:
         work_dir = args.work_dir or Path(f"/tmp/learning_curves_{_dt.datetime.now(_dt.timezone.utc):%Y%m%d-%H%M%S}")
         table_modes = modes(args.keep_extra_groups)
-        cache = DEFAULT_CACHE
-        if args.assets_train_steps != DEFAULT_ASSET_TRAIN_STEPS:  # never rebuild the demo's own cache in place
-            cache = DEFAULT_CACHE.with_name(f"demo_train_steps_{args.assets_train_steps}")
-        assets = build_assets(cache, train_steps=args.assets_train_steps)
-        results = {
+        assets = build_assets(_asset_cache(args.assets_train_steps), train_steps=args.assets_train_steps)
+        results: dict[str, Any] = {
             "config": {
                 "command": " ".join(sys.argv),
                 "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -471,8 +558,15 @@ def main() -> None:
             },
             "runs": [],
         }
+        if args.resume and args.out.exists():
+            previous = json.loads(args.out.read_text())
+            results["config"] = {**previous["config"], "resumed_with": results["config"]}
+            results["runs"] = [run for run in previous["runs"] if run["returncode"] == 0]
+        done = {(run["mode"], run["seed"]) for run in results["runs"]}
         for seed in args.seeds:  # seed-major, modes round-robin: machine noise hits every mode alike
             for name in args.modes:
+                if (name, seed) in done:
+                    continue
                 if results["runs"]:
                     time.sleep(args.pause)
                 run = run_one(
