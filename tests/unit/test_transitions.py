@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ from verl import DataProto
 from verl.trainer.ppo.core_algos import agg_loss
 from verl.utils.model import compute_position_id_with_mask
 
+from verl_partial import trainer_hooks
 from verl_partial.core.balance_config import BalanceConfig
 from verl_partial.core.transitions import padding_rows, plan_transitions, turn_spans
 from verl_partial.glue.transitions import (
@@ -270,3 +272,60 @@ def test_padding_rows_contribute_zero_loss(mode):
     assert (log_prob.grad[pad] == 0).all()
     assert (log_prob.grad[~pad].abs().sum()) > 0
     assert torch.allclose(full, loss(torch.nonzero(~pad).squeeze(1)))
+
+
+# ------------------------------------------------------------------------------------- the trainer hooks
+def _trainer(**balance):
+    from omegaconf import OmegaConf
+
+    config = OmegaConf.create(
+        {
+            "balance": {"enable": True, "group_key": "trajectory_id", "rows": "transition", **balance},
+            "actor_rollout_ref": {"actor": {"ppo_mini_batch_size": 2}, "rollout": {"n": 2}, "model": {"path": "-"}},
+        }
+    )
+    return SimpleNamespace(config=config, tokenizer=SimpleNamespace(pad_token_id=PAD))
+
+
+def _split_by_hand(ids: np.ndarray, mini_batch: int, dp: int) -> int:
+    """verl's layout: rank r holds rows [r*N/dp, (r+1)*N/dp) and trains them in slices of mini_batch/dp rows."""
+    shard, per_rank = len(ids) // dp, mini_batch // dp
+    minibatches: dict[str, set[int]] = {}
+    for position, tid in enumerate(ids):
+        minibatches.setdefault(tid, set()).add((position % shard) // per_rank)
+    return sum(len(found) > 1 for found in minibatches.values())
+
+
+def test_hook_cuts_then_balances_by_trajectory():
+    batch, metrics = multi_turn_batch(seed=7, n_prompts=4), {}
+    trainer_hooks.balance_batch(_trainer(), batch, metrics, 2, verl_default=None)
+    ids = batch.non_tensor_batch[TRAJECTORY_ID]
+    assert len(batch) % 4 == 0 and metrics["balance/transition_rows"] > metrics["balance/trajectories"] == 8
+    assert metrics["balance/trajectories_split"] == 0 == _split_by_hand(ids, 4, dp=2)
+    assert metrics["balance/groups_split"] == 0 and metrics["balance/efficiency"] >= 1.0
+
+
+def test_hook_measures_trajectories_split_by_another_order():
+    """``balance.enable=false``: verl's own balancer runs on the transitions (here an order by turn, which tears
+    trajectories apart) and ``balance/trajectories_split`` reports what that order did."""
+
+    def by_turn(b, m):
+        b.reorder(torch.as_tensor(np.argsort(b.non_tensor_batch[TURN_INDEX], kind="stable")))
+
+    batch, metrics = multi_turn_batch(seed=7, n_prompts=4), {}
+    trainer_hooks.balance_batch(_trainer(enable=False), batch, metrics, 1, verl_default=by_turn)
+    expected = _split_by_hand(batch.non_tensor_batch[TRAJECTORY_ID], 4, dp=1)
+    assert metrics["balance/trajectories_split"] == expected > 0
+
+
+def test_advantage_hook_passes_plain_batches_through_and_refuses_other_estimators():
+    compute_advantage = _verl_compute_advantage()
+    plain = multi_turn_batch(seed=3)
+    plain.batch["token_level_rewards"] = plain.batch["rm_scores"]
+    out = trainer_hooks.transition_advantage(plain, compute_advantage, (), {"adv_estimator": "grpo", "num_repeat": 2})
+    assert out.batch["advantages"].shape == plain.batch["response_mask"].shape and len(out) == len(plain)
+    cut = multi_turn_batch(seed=3)
+    expand_to_transitions(cut, row_multiple=4, pad_token_id=PAD)
+    cut.batch["token_level_rewards"] = cut.batch["rm_scores"]
+    with pytest.raises(ValueError, match="algorithm.adv_estimator=grpo"):
+        trainer_hooks.transition_advantage(cut, compute_advantage, ("rloo",), {})
