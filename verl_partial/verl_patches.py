@@ -343,18 +343,26 @@ class _AfterImport(importlib.abc.MetaPathFinder):
     def __init__(self, module_name: str, callback: Callable[[ModuleType], None]) -> None:
         self.module_name = module_name
         self.callback = callback
+        # Several hooks may wait for one module (patches installed more than once in a process, e.g. by
+        # tests): each asks the others for the spec, so a hook already searching must answer None, or two
+        # hooks ask each other forever (RecursionError).
+        self._searching = False
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != self.module_name:
+        if fullname != self.module_name or self._searching:
             return None
-        for finder in sys.meta_path:
-            if finder is self:
-                continue
-            spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
-            if spec is not None and spec.loader is not None:
-                spec.loader = _CallbackLoader(spec.loader, self.callback)
-                return spec
-        return None
+        self._searching = True
+        try:
+            for finder in sys.meta_path:
+                if finder is self:
+                    continue
+                spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
+                if spec is not None and spec.loader is not None:
+                    spec.loader = _CallbackLoader(spec.loader, self.callback)
+                    return spec
+            return None
+        finally:
+            self._searching = False
 
 
 class _CallbackLoader(importlib.abc.Loader):

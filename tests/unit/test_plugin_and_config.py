@@ -149,3 +149,20 @@ def test_disabled_partial_leaves_the_dataloader_alone():
     loader = trainer.train_dataloader
     trainer_hooks.after_trainer_init(trainer)
     assert trainer.train_dataloader is loader
+
+
+def test_two_import_hooks_on_one_module_both_run_without_recursion(tmp_path, monkeypatch):
+    """Patches installed twice in a process (as tests do) put two hooks on one module; both must fire once."""
+    import sys
+
+    (tmp_path / "vp_hooked_module.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    fired: list[str] = []
+    verl_patches.after_import("vp_hooked_module", lambda module: fired.append(f"first:{module.VALUE}"))
+    verl_patches.after_import("vp_hooked_module", lambda module: fired.append(f"second:{module.VALUE}"))
+    try:
+        importlib.import_module("vp_hooked_module")
+    finally:
+        sys.modules.pop("vp_hooked_module", None)
+    assert sorted(fired) == ["first:1", "second:1"]
