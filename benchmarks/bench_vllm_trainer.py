@@ -391,10 +391,11 @@ def tables(results: dict[str, Any]) -> str:
 def header(results: dict[str, Any]) -> str:
     m = results["machine"]
     wl = results["workload"]
+    commands = ", ".join(f"`{command}`" for command in results.get("commands", [results["command"]]))
     return (
         f"Run {m['date']} on {m['cpu']}, {m['cores']} cores shared with other jobs, Python {m['python']}, "
-        f"{m['packages']}; whole run {results['total_seconds'] / 60:.0f} min (incl. waits for the shared lock). "
-        f"Command: `{results['command']}`. Model: random Qwen2, hidden {wl['hidden_size']}, {wl['num_layers']} "
+        f"{m['packages']}; every trainer run alone under the machine's shared lock. "
+        f"Commands: {commands}. Model: random Qwen2, hidden {wl['hidden_size']}, {wl['num_layers']} "
         f"layers, {wl['num_heads']} heads / {wl['num_kv_heads']} KV heads (head size 64), MLP "
         f"{wl['intermediate_size']}, {results['parameters'] / 1e6:.1f} M parameters, fp32. Step: {wl['prompts']} "
         f"prompts x n = {wl['n']} = {wl['prompts'] * wl['n']} samples, 64 engine slots, {wl['steps']} steps per run, "
@@ -430,7 +431,7 @@ def peak(engine: str, model_dir: Path, tokens: int, repeats: int = 3) -> dict[st
 
     import torch
 
-    prompts = [[(7 * i + 3 * j) % 300 + 10 for j in range(30)] for i in range(64)]
+    prompts = [[(7 * i + 3 * j) % 250 + 10 for j in range(30)] for i in range(64)]  # ids < the 287-token vocab
     best: dict[str, float] = {}
     if engine == "cpu_vllm":
         from vllm import LLM, SamplingParams, TokensPrompt
@@ -539,6 +540,7 @@ def main(argv: list[str] | None = None) -> None:
         stored = [json.loads(path.read_text()) for path in args.from_json]
         results = {**stored[0], "runs": [run for part in stored for run in part["runs"]]}
         results["total_seconds"] = sum(part["total_seconds"] for part in stored)
+        results["commands"] = [part["command"] for part in stored]
         results["peak"] = {engine: rates for part in stored for engine, rates in part.get("peak", {}).items()}
         results["runs"].sort(key=lambda run: (ENGINES.index(run["engine"]), list(MODES).index(run["mode"])))
     else:
