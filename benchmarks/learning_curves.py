@@ -299,6 +299,13 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
                 tokens_discarded=discarded / len(runs),
                 discarded_fraction=discarded / generated if generated else float("nan"),
                 max_group_wait=float(np.nanmax(waits)),
+                # Step level: lengths trained vs lengths of every sample that finished in the same step.
+                trained_mean_length_step=float(
+                    np.nanmean(np.concatenate([_series(r, "partial/length/trained_mean") for r in runs]))
+                ),
+                finished_mean_length_step=float(
+                    np.nanmean(np.concatenate([_series(r, "partial/length/finished_mean") for r in runs]))
+                ),
                 mean_group_wait=float(
                     np.nanmean(np.concatenate([_series(r, "partial/group_wait_steps/mean") for r in runs]))
                 ),
@@ -588,8 +595,7 @@ def main() -> None:
                 args.out.write_text(json.dumps(results) + "\n")  # after every run: a crash keeps what finished
     summary = summarise(results)
     results["summary"] = summary
-    if not args.report_only:
-        args.out.write_text(json.dumps(results) + "\n")
+    args.out.write_text(json.dumps(results) + "\n")
     plot(results, summary, args.plot, args.smooth)
     print(table(summary))
     extras = {key: value for key, value in summary.items() if key not in ("modes",)}
