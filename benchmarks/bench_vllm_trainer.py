@@ -516,6 +516,10 @@ def measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
                 args.json.write_text(json.dumps(results, indent=1) + "\n")
             time.sleep(10)  # let teammates take the shared lock between runs
     results["runs"].sort(key=lambda run: (ENGINES.index(run["engine"]), list(MODES).index(run["mode"])))
+    results["total_seconds"] = time.time() - started
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=1) + "\n")
     return results
 
 
