@@ -168,11 +168,11 @@ class Workload:
 def build_assets(root: Path, wl: Workload) -> dict[str, Path]:
     """The demo's tokenizer, a random Qwen2 of the workload's shape, and unique prompts; rebuilt only when absent."""
     import pandas as pd
-    import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoTokenizer
 
     from verl_partial.demo import task
     from verl_partial.demo.assets import build_assets as build_demo
+    from verl_partial.demo.assets import random_qwen2
 
     tag = f"h{wl.hidden_size}l{wl.num_layers}i{wl.intermediate_size}r{wl.train_rows}s{wl.lengths.seed}"
     out = root / tag
@@ -181,24 +181,15 @@ def build_assets(root: Path, wl: Workload) -> dict[str, Path]:
         return paths
     demo = build_demo(root / "demo", train_steps=20)  # only its tokenizer is used
     tokenizer = AutoTokenizer.from_pretrained(demo.model_dir)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
+    model = random_qwen2(
+        tokenizer,
         hidden_size=wl.hidden_size,
         intermediate_size=wl.intermediate_size,
-        num_hidden_layers=wl.num_layers,
-        num_attention_heads=wl.num_heads,
-        num_key_value_heads=wl.num_kv_heads,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        dtype="float32",
-        attn_implementation="eager",
+        num_layers=wl.num_layers,
+        num_heads=wl.num_heads,
+        num_kv_heads=wl.num_kv_heads,
+        seed=wl.lengths.seed,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(wl.lengths.seed)
-        model = Qwen2ForCausalLM(config)
     shutil.rmtree(out, ignore_errors=True)
     model.save_pretrained(paths["model"])
     tokenizer.save_pretrained(paths["model"])

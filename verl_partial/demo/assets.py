@@ -416,24 +416,28 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, Any]]) 
     return list(ids)
 
 
-def _pretrain_model(
-    tokenizer: PreTrainedTokenizerBase, examples: list[Example], params: BuildParams
+def random_qwen2(
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    hidden_size: int,
+    intermediate_size: int,
+    num_layers: int,
+    num_heads: int,
+    num_kv_heads: int,
+    seed: int,
 ) -> Qwen2ForCausalLM:
-    """Fit a tiny Qwen2 to the responses by next-token prediction, so its sampled lengths track the task's.
+    """A randomly initialised fp32 Qwen2 on ``tokenizer``'s vocabulary, the same for a given seed on every machine.
 
-    The loss covers only the tokens the model produces (prompt and tool-output positions are masked), as the policy
-    is never asked to produce those. Batches hold examples of similar length under a token budget, so long-tail
-    examples are seen as often, per token, as short ones and no compute goes to padding.
+    The demo's model and the benchmarks' larger ones share it, so every engine sees one architecture family with
+    tied embeddings and eager attention (what both rollout engines and FSDP load without downloads).
     """
     config = Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        # head size 64 / 2 = 32: the smallest vLLM's CPU attention supports (vLLM's Qwen2 derives it from
-        # these two and ignores a ``head_dim`` key), so the same model runs on both rollout engines.
-        num_attention_heads=2,
-        num_key_value_heads=1,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
         max_position_embeddings=_MAX_POSITIONS,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
@@ -443,8 +447,24 @@ def _pretrain_model(
         attn_implementation="eager",
     )
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(params.seed)
-        model = Qwen2ForCausalLM(config)
+        torch.manual_seed(seed)
+        return Qwen2ForCausalLM(config)
+
+
+def _pretrain_model(
+    tokenizer: PreTrainedTokenizerBase, examples: list[Example], params: BuildParams
+) -> Qwen2ForCausalLM:
+    """Fit a tiny Qwen2 to the responses by next-token prediction, so its sampled lengths track the task's.
+
+    The loss covers only the tokens the model produces (prompt and tool-output positions are masked), as the policy
+    is never asked to produce those. Batches hold examples of similar length under a token budget, so long-tail
+    examples are seen as often, per token, as short ones and no compute goes to padding.
+    """
+    # head size 64 / 2 = 32: the smallest vLLM's CPU attention supports (vLLM's Qwen2 derives it from hidden size
+    # and heads and ignores a ``head_dim`` key), so the same model runs on both rollout engines.
+    model = random_qwen2(
+        tokenizer, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=2, num_kv_heads=1, seed=params.seed
+    )
     model.train()
 
     batches = _length_grouped_batches(examples, tokenizer.pad_token_id)
