@@ -69,6 +69,11 @@ MODES: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "partial": ("default", ()),
     "on_policy": ("on_policy", ()),
     "partial_extra8": ("default", ("partial.extra_groups=8",)),
+    # Streaming admission at a hard staleness bound: finished groups are replaced mid-step, a step ends only once
+    # its carried-over groups are done, nothing is restarted.
+    "stream": ("stream", ()),
+    # The default's pool with the hard bound kept by waiting instead of restarting.
+    "wait": ("default", ("partial.staleness_policy=wait",)),
 }
 DEFAULT_MODES = ("sync", "partial", "on_policy")
 ENGINES = ("cpu_vllm", "cpu")

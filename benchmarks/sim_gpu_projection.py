@@ -4,10 +4,11 @@ Projection: Qwen2.5-7B (TP1, 8 servers) and Qwen2.5-32B (TP2, 4 servers) on 8 x 
 samples per step; prompt 256 tokens; response lengths lognormal with median 1,024 and p99/p50 of 8 or 20, capped
 at 32,768; a 512-prompt data set (an epoch every 4 steps, so the on-policy mode has each prompt's history from
 the second epoch on). Modes: sync, the default preset, keep, kimi, on_policy, on_policy with over-provisioning,
-and keep with a quarter of the batch in extra groups (the setting docs/gpu-projection.md recommends).
+keep with a quarter of the batch in extra groups, and stream (staleness_policy=wait + refill: streaming admission at
+a hard staleness bound of 1).
 
 Length bias: one Qwen2.5-7B server (one GPU's share of the projection: 16 prompts x 16 per step), the heavier
-tail (p99/p50 = 20), every staleness policy x extra_groups in {1/16, 1/4, 1/2, 1} x batch; KS distance of
+tail (p99/p50 = 20), every staleness policy x extra_groups in {1/16, 1/4, 1/2, 1} x batch, plus wait + refill; KS of
 trained lengths to the unbiased distribution, thrown-away tokens, longest wait of a group in steps, speed-up.
 
 All parameters were fixed before the first run; nothing is tuned to a result.
@@ -29,7 +30,7 @@ from verl_partial.sim.workload import Workload
 
 NO_STALLS = {"request_timeout_s": 1e9}
 SETUPS = {"7B": (ServerSpec(H100_SXM, QWEN25_7B, tp=1), 8), "32B": (ServerSpec(H100_SXM, QWEN25_32B, tp=2), 4)}
-MODES = ("sync", "partial", "keep", "kimi", "on_policy", "on_policy_over", "keep_quarter")
+MODES = ("sync", "partial", "keep", "kimi", "on_policy", "on_policy_over", "keep_quarter", "stream")
 # The on-policy modes need one epoch (4 steps) of prompt history before their estimates exist.
 WARMUP = {"sync": 0, "on_policy": 4, "on_policy_over": 4}
 
@@ -62,12 +63,17 @@ def bias_sweep(steps: int, batch: int) -> list[dict[str, object]]:
     sync = simulate(PartialConfig(extra_groups=0, **NO_STALLS), load, spec, 1, steps)
     rows = [{"policy": "sync", "extra_groups": 0, **summarize(sync, sync, load, limit)}]
     print(json.dumps(rows[-1]), flush=True)
-    for policy in ("restart", "drop", "keep"):
-        for extra in sorted({max(1, batch // 16), batch // 4, batch // 2, batch}):
-            config = PartialConfig(extra_groups=extra, staleness_policy=policy, **NO_STALLS)
-            run = simulate(config, load, spec, 1, steps + 4).steady(4)
-            rows.append({"policy": policy, "extra_groups": extra, **summarize(run, sync, load, limit)})
-            print(json.dumps(rows[-1]), flush=True)
+    sweep = [
+        (policy, extra, False)
+        for policy in ("restart", "drop", "keep", "wait")
+        for extra in sorted({max(1, batch // 16), batch // 4, batch // 2, batch})
+    ]
+    for policy, extra, refill in [*sweep, ("wait", 0, True)]:
+        config = PartialConfig(extra_groups=extra, staleness_policy=policy, refill=refill, **NO_STALLS)
+        run = simulate(config, load, spec, 1, steps + 4).steady(4)
+        name = f"{policy} + refill" if refill else policy
+        rows.append({"policy": name, "extra_groups": extra, **summarize(run, sync, load, limit)})
+        print(json.dumps(rows[-1]), flush=True)
     return rows
 
 

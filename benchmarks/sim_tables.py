@@ -14,6 +14,7 @@ MODE_NAMES = {
     "on_policy": "`on_policy` (staleness 0, longest first)",
     "on_policy_over": "on_policy + 32 extra groups (restart)",
     "keep_quarter": "`keep` + 32 extra groups (a quarter of the batch)",
+    "stream": "`stream` (wait + refill, staleness 1)",
 }
 
 

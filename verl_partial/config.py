@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 from verl_partial.core.balance_config import BalanceConfig
 from verl_partial.core.finish import check_model_len, finish_mapper
 from verl_partial.core.partial_config import PartialConfig
+from verl_partial.core.pool import check_carry_fits
 from verl_partial.cpu_backend.config import BackendConfig
 
 T = TypeVar("T")
@@ -123,6 +124,9 @@ def check_partial_against_trainer(config: DictConfig) -> None:
             (rollout.get("max_model_len"), config.data.max_prompt_length, config.data.max_response_length),
         )
     ]
+    parsed = partial_config(config)
+    if parsed is not None:
+        checks.append((check_carry_fits, (parsed, int(config.data.train_batch_size))))
     if rollout.get("name") is not None:  # verl requires a name; only bare test configs lack it
         checks.append((finish_mapper, (str(rollout.name),)))  # an engine whose stop reasons we have not read
     for check, args in checks:

@@ -194,3 +194,24 @@ def test_on_policy_preset_trains_only_current_policy_tokens(demo_assets, tmp_pat
         dump = torch.load(tmp_path / "dump" / f"step_{step}.pt")
         assert len({sample["key"] for sample in dump["samples"]}) == GROUPS
         assert all(v == dump["version"] for sample in dump["samples"] for v in sample["versions"])
+
+
+def test_stream_preset_refills_mid_step_and_throws_nothing_away(demo_assets, tmp_path):
+    """``+partial=stream`` through the trainer: groups are admitted mid-step (more than the batch in a step), every
+    trained token is at most one version old, nothing is restarted or thrown away, whole groups, each once."""
+    run = run_trainer(demo_assets, tmp_path, steps=4, partial="stream", extra=[f"partial.dump_dir={tmp_path / 'dump'}"])
+    run.assert_ok()
+    trained: list[str] = []
+    for step in range(1, 5):
+        assert run.metric(step, "partial/staleness/max") <= 1
+        assert run.metric(step, "partial/tokens_discarded") == 0
+        assert run.metric(step, "partial/restarted_samples") == 0
+        dump = torch.load(tmp_path / "dump" / f"step_{step}.pt")
+        keys = [sample["key"] for sample in dump["samples"]]
+        assert len(set(keys)) == GROUPS and all(keys.count(key) == N for key in set(keys))
+        assert all(dump["version"] - v <= 1 for sample in dump["samples"] for v in sample["versions"])
+        trained += sorted(set(keys))
+    assert len(trained) == len(set(trained))  # no group trained twice
+    # Refill: without it step 1 admits exactly its pool (GROUPS, no extra groups); with it, every group that
+    # finished during step 1 was replaced at once.
+    assert run.metric(1, "partial/total/admitted_groups") > GROUPS

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from sim_engine import (
     EOS,
@@ -160,24 +160,34 @@ def check_ledger(run: Run, batch: int, extra_groups: int) -> None:
     assert len(run.pool.groups) <= batch + extra_groups  # invariant 12: bounded parked state
 
 
-configs = st.builds(
-    PartialConfig,
-    extra_groups=st.integers(0, 6),
-    step_token_budget=st.one_of(st.none(), st.integers(1, 24)),
-    chunk_tokens=st.one_of(st.none(), st.integers(1, 16)),
-    abort_on_done=st.booleans(),
-    max_staleness=st.integers(0, 3),
-    staleness_policy=st.sampled_from(["restart", "drop", "keep"]),
-    max_retries=st.integers(0, 3),
-    request_timeout_s=st.just(2.0),
-    abort_grace_s=st.just(1.0),
-    max_calls_per_server=st.integers(1, 8),
-)
+@st.composite
+def configs(draw: st.DrawFn, max_extra: int = 6) -> PartialConfig:
+    policy = draw(st.sampled_from(["restart", "drop", "keep", "wait"]))
+    refill = draw(st.booleans())
+    max_staleness = draw(st.integers(1 if policy == "wait" and refill else 0, 3))
+    extra = 0 if policy == "wait" and (refill or max_staleness == 0) else draw(st.integers(0, max_extra))
+    return PartialConfig(
+        extra_groups=extra,
+        step_token_budget=draw(st.one_of(st.none(), st.integers(1, 24))),
+        chunk_tokens=draw(st.one_of(st.none(), st.integers(1, 16))),
+        abort_on_done=draw(st.booleans()),
+        max_staleness=max_staleness,
+        staleness_policy=policy,
+        refill=refill,
+        max_retries=draw(st.integers(0, 3)),
+        request_timeout_s=2.0,
+        abort_grace_s=1.0,
+        max_calls_per_server=draw(st.integers(1, 8)),
+    )
+
+
+def wait_fits(config: PartialConfig, batch: int) -> bool:
+    return config.staleness_policy != "wait" or config.extra_groups <= config.max_staleness * batch
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    config=configs,
+    config=configs(),
     n=st.integers(1, 4),
     batch=st.integers(1, 4),
     steps=st.integers(1, 6),
@@ -190,6 +200,7 @@ configs = st.builds(
 def test_invariants_over_random_schedules(
     config, n, batch, steps, response_length, seed, servers, max_transit, reject_request
 ):
+    assume(wait_fits(config, batch))
     engine = make_engine(seed, response_length, servers, max_transit=max_transit, reject_request=reject_request)
     run = simulate(config, n=n, batch=batch, steps=steps, response_length=response_length, seed=seed, engine=engine)
     check_groups(run.trained, config, n, batch, response_length, seed)
@@ -199,11 +210,13 @@ def test_invariants_over_random_schedules(
         prompt_bytes = metrics["partial/parked_bytes"] - 12 * metrics["partial/parked_tokens"]
         assert 0 <= prompt_bytes <= 4 * metrics["partial/in_flight_groups"]
     assert all(peak <= config.max_calls_per_server for peak in engine.max_outstanding.values())
+    if config.staleness_policy == "wait":  # the bound is kept by waiting, never by throwing tokens away
+        assert sum(m["partial/tokens_discarded"] + m["partial/restarted_samples"] for m in run.metrics) == 0
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    config=configs,
+    config=configs(),
     n=st.integers(1, 3),
     batch=st.integers(1, 3),
     steps=st.integers(2, 6),
@@ -214,6 +227,7 @@ def test_invariants_over_random_schedules(
 )
 def test_resume_from_checkpoint_trains_the_same_prompts(config, n, batch, steps, response_length, seed, servers, data):
     """Invariant 6: a run restored from serialised state trains exactly what an uninterrupted run trains."""
+    assume(wait_fits(config, batch))
     restore_at = frozenset(data.draw(st.lists(st.integers(2, steps), min_size=1, max_size=3)))
     kwargs = dict(n=n, batch=batch, steps=steps, response_length=response_length, seed=seed)
     straight = simulate(config, engine=make_engine(seed, response_length, servers, max_transit=0.1), **kwargs)
@@ -269,13 +283,19 @@ class Schedule:
 def random_schedule(seed: int) -> Schedule:
     rng = random.Random(seed)
     steps = rng.randint(1, 6)
+    batch = rng.randint(1, 4)
+    policy, refill = rng.choice(["restart", "drop", "keep", "wait"]), rng.random() < 0.5
+    max_staleness = rng.randint(1 if policy == "wait" else 0, 3)
+    most_extra = min(6, max_staleness * batch) if policy == "wait" else 6
+    extra = 0 if policy == "wait" and refill else rng.randint(0, most_extra)
     config = PartialConfig(
-        extra_groups=rng.randint(0, 6),
+        extra_groups=extra,
         step_token_budget=rng.choice([None, rng.randint(1, 24)]),
         chunk_tokens=rng.choice([None, rng.randint(1, 16)]),
         abort_on_done=rng.random() < 0.8,
-        max_staleness=rng.randint(0, 3),
-        staleness_policy=rng.choice(["restart", "drop", "keep"]),
+        max_staleness=max_staleness,
+        staleness_policy=policy,
+        refill=refill,
         max_retries=rng.randint(0, 3),
         request_timeout_s=rng.choice([0.5, 2.0, 5.0]),
         abort_grace_s=rng.choice([0.2, 1.0]),
@@ -293,7 +313,7 @@ def random_schedule(seed: int) -> Schedule:
     return Schedule(
         config=config,
         n=rng.randint(1, 4),
-        batch=rng.randint(1, 4),
+        batch=batch,
         steps=steps,
         response_length=rng.randint(4, 48),
         seed=seed,
@@ -645,6 +665,57 @@ def test_partial_rollout_stops_waiting_for_the_long_tail():
     longest_trained = max(len(s.token_ids) for g in run.trained[0] for s in g.samples)
     longest_target = max(target_length(f"p{i}", j, 7, 200) for i in range(6) for j in range(4))
     assert longest_trained < min(200, longest_target)
+
+
+def test_wait_trains_the_long_answers_restart_throws_away():
+    """Same prompts, same answers: ``restart`` keeps staleness <= 1 by regenerating the long tail again and again,
+    ``wait`` by holding the step end until carried-over groups are done; it throws nothing away and trains them."""
+    kwargs = dict(n=4, batch=2, steps=6, response_length=200, seed=7)
+    restart = simulate(PartialConfig(extra_groups=4, staleness_policy="restart"), **kwargs)
+    wait = simulate(PartialConfig(extra_groups=2, staleness_policy="wait"), **kwargs)
+    assert sum(m["partial/tokens_discarded"] for m in restart.metrics) > 0  # the tail is what restart regenerates
+    assert sum(m["partial/tokens_discarded"] + m["partial/restarted_samples"] for m in wait.metrics) == 0
+    for run, config in ((restart, restart.pool.config), (wait, wait.pool.config)):
+        check_groups(run.trained, config, 4, 2, 200, 7)  # exact tokens, versions, staleness <= 1
+    assert max(m["partial/staleness/max"] for m in wait.metrics) == 1  # it did carry work over
+    # Every group wait admitted by step 4 is trained by the end of step 5: nothing waits unboundedly.
+    assert max(m["partial/group_wait_steps/max"] for m in wait.metrics) <= 2
+
+
+def test_refill_admits_fresh_groups_mid_step_and_loses_nothing():
+    """Without refill a step admits only at its start (pool capacity); with it, every finished group is replaced
+    at once, so the step admits more than the capacity and still trains exactly the batch, nothing lost."""
+    kwargs = dict(n=4, batch=4, steps=4, response_length=200, seed=3)
+    plain = simulate(PartialConfig(extra_groups=0, staleness_policy="wait"), **kwargs)
+    refill = simulate(PartialConfig(extra_groups=0, staleness_policy="wait", refill=True), **kwargs)
+    first_step = [run.metrics[0]["partial/total/admitted_groups"] for run in (plain, refill)]
+    assert first_step[0] == 4 and first_step[1] > 4
+    for run in (plain, refill):
+        check_groups(run.trained, run.pool.config, 4, 4, 200, 3)
+        check_ledger(run, 4, 0)
+    assert sum(m["partial/tokens_discarded"] for m in refill.metrics) == 0
+    # Fresh groups started mid-step were carried over: their tokens are one version old when trained.
+    assert max(m["partial/staleness/max"] for m in refill.metrics) == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [
+        ({"staleness_policy": "wait", "refill": True, "extra_groups": 2}, "partial.extra_groups"),
+        ({"staleness_policy": "wait", "refill": True, "extra_groups": 0, "max_staleness": 0}, "partial.max_staleness"),
+        ({"staleness_policy": "wait", "extra_groups": 1, "max_staleness": 0}, "partial.max_staleness"),
+    ],
+)
+def test_wait_refuses_carrying_more_than_the_bound_allows(kwargs, key):
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
+        PartialConfig(**kwargs)
+
+
+def test_wait_pool_refuses_more_extra_groups_than_the_next_steps_train():
+    config = PartialConfig(staleness_policy="wait", extra_groups=5, max_staleness=1)
+    with pytest.raises(ValueError, match=r"partial\.extra_groups must be <= partial\.max_staleness x data\.train"):
+        RolloutPool(config, group_size=2, batch_groups=4, response_length=8)
+    RolloutPool(config, group_size=2, batch_groups=5, response_length=8)
 
 
 def test_token_budget_caps_each_round_and_counts_extra_rounds():

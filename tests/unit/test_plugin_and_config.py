@@ -94,6 +94,14 @@ def test_our_presets_validate_cleanly():
         ({"partial__extra_groups": -2}, "partial.extra_groups"),
         ({"partial__staleness_policy": "ignore"}, r"partial.staleness_policy must be one of \['restart'"),
         ({"partial__no_such_knob": 1}, r"partial.no_such_knob"),
+        (
+            {"partial__staleness_policy": "wait", "partial__refill": False, "partial__extra_groups": 100_000},
+            r"partial\.extra_groups must be <= partial\.max_staleness x data\.train_batch_size",
+        ),
+        (
+            {"partial__staleness_policy": "wait", "partial__refill": True, "partial__extra_groups": 4},
+            r"partial\.extra_groups must be 0 with partial\.refill=true",
+        ),
     ],
 )
 def test_partial_misconfiguration_fails_naming_the_key(overrides, message):

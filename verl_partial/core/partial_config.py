@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-STALENESS_POLICIES = ("restart", "drop", "keep")
+STALENESS_POLICIES = ("restart", "drop", "keep", "wait")
 SCHEDULES = ("fifo", "longest_first")
 
 
@@ -33,7 +33,14 @@ class PartialConfig:
         staleness_policy: what happens to a sample whose oldest token would exceed ``max_staleness``:
             ``restart`` regenerates it from the prompt (tokens are thrown away and counted), ``drop``
             removes its whole group (counted, its prompt replaced by a fresh one), ``keep`` trains it
-            anyway and leaves the off-policy gap to rollout correction.
+            anyway and leaves the off-policy gap to rollout correction. ``wait`` never lets a sample get that
+            old: a step does not end while an unfinished sample would exceed ``max_staleness`` at the next step, so
+            nothing is thrown away, long answers are not held back, and the bound is hard; the price is that a step
+            lasts until its carried-over answers are done (``refill`` keeps the engine busy meanwhile).
+        refill: a group that finishes during a step frees its pool slot at once (it is trained at this step's
+            end), so the scheduler admits a fresh group mid-step and the engine keeps ``train_batch_size +
+            extra_groups`` groups generating instead of draining towards the step end (the streaming admission
+            of verl's fully_async rollouter and AReaL). ``false``: groups are admitted at the step start only.
         max_retries: retries of one sample's failed calls before its group is taken out (counted as
             ``partial/failed_groups``; its prompt is replaced). Counted in a row: any call that brings tokens
             or a finish resets the count. A call fails when it raises, is refused by a closed gate outside the
@@ -67,6 +74,7 @@ class PartialConfig:
     abort_on_done: bool = True
     max_staleness: int = 1
     staleness_policy: str = "restart"
+    refill: bool = False
     max_retries: int = 2
     request_timeout_s: float = 600.0
     abort_grace_s: float = 5.0
@@ -86,6 +94,23 @@ class PartialConfig:
             f"one of {list(STALENESS_POLICIES)}",
             self.staleness_policy,
         )
+        if self.staleness_policy == "wait":
+            # Groups a ``wait`` step carries over hold tokens of this step's version; they must fit the next steps'
+            # training, or their tokens would be thrown away after all.
+            _require(
+                not (self.refill and self.extra_groups),
+                "partial.extra_groups",
+                "0 with partial.refill=true and partial.staleness_policy=wait (refill already keeps the engine fed; "
+                "extra groups would carry more groups into the next step than it trains)",
+                self.extra_groups,
+            )
+            _require(
+                self.max_staleness >= 1 or not (self.refill or self.extra_groups),
+                "partial.max_staleness",
+                ">= 1 with partial.staleness_policy=wait and partial.refill or partial.extra_groups (at 0 every "
+                "carried-over group would be stale; use extra_groups=0, refill=false)",
+                self.max_staleness,
+            )
         _require(self.max_retries >= 0, "partial.max_retries", "an integer >= 0", self.max_retries)
         _require(self.request_timeout_s > 0, "partial.request_timeout_s", "a number > 0", self.request_timeout_s)
         _require(self.abort_grace_s > 0, "partial.abort_grace_s", "a number > 0", self.abort_grace_s)

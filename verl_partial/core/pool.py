@@ -171,6 +171,17 @@ class Counters:
     route_changes: int = 0
 
 
+def check_carry_fits(config: PartialConfig, batch_groups: int) -> None:
+    """``wait`` throws nothing away only if the groups a step carries over (up to ``extra_groups``, all holding
+    tokens of this step's version) can be trained within ``max_staleness`` steps."""
+    if config.staleness_policy == "wait" and config.extra_groups > config.max_staleness * batch_groups:
+        raise ValueError(
+            f"partial.extra_groups must be <= partial.max_staleness x data.train_batch_size "
+            f"({config.max_staleness} x {batch_groups}) with partial.staleness_policy=wait, got "
+            f"{config.extra_groups}: the groups a step carries over must be trainable within the staleness bound"
+        )
+
+
 class RolloutPool(Generic[P]):
     """In-flight groups with their parked samples; the scheduling state machine of partial rollout."""
 
@@ -197,6 +208,7 @@ class RolloutPool(Generic[P]):
                 "partial.schedule=longest_first needs a launch priority: "
                 "RolloutPool(..., priority=verl_partial.core.on_policy.LengthEstimator(...).priority)"
             )
+        check_carry_fits(config, batch_groups)
         # Launch order (``partial.schedule``): a sort key, ascending; None keeps oldest group first.
         self.priority = priority
         self.groups: dict[int, GroupState[P]] = {}
@@ -223,7 +235,12 @@ class RolloutPool(Generic[P]):
         return self.batch_groups + self.config.extra_groups
 
     def free_slots(self) -> int:
-        return max(0, self.capacity - len(self.groups))
+        """Groups that may be admitted now. With ``partial.refill`` the groups this step will train (the first
+        ``batch_groups`` finished ones) no longer hold a slot, so a finished group is replaced mid-step."""
+        held = len(self.groups)
+        if self.config.refill:
+            held -= min(self.batch_groups, sum(group.finished for group in self.groups.values()))
+        return max(0, self.capacity - held)
 
     def admit(self, prompt: P, key: str) -> int:
         if self.free_slots() == 0:
@@ -261,13 +278,11 @@ class RolloutPool(Generic[P]):
             self._enforce_staleness(group)
 
     def _enforce_staleness(self, group: GroupState[P]) -> None:
+        """``wait`` lets no unfinished sample reach this point stale; a finished group the last step could not train
+        (more were ready than ``batch_groups``) can be, and is restarted like under ``restart`` (counted)."""
         if self.config.staleness_policy == "keep":
             return
-        stale = [
-            sample
-            for sample in group.samples
-            if sample.oldest_version is not None and self.version - sample.oldest_version > self.config.max_staleness
-        ]
+        stale = [sample for sample in group.samples if self._lag(sample, self.version) > self.config.max_staleness]
         if not stale:
             return
         if self.config.staleness_policy == "drop":
@@ -276,6 +291,20 @@ class RolloutPool(Generic[P]):
         for sample in stale:
             thrown = sample.discard_tokens()
             self.count(tokens_discarded=thrown, restarted_samples=1)
+
+    @staticmethod
+    def _lag(sample: SampleState, version: int) -> int:
+        """How many versions the sample's oldest token lags ``version`` (0 for a sample without tokens)."""
+        oldest = sample.oldest_version
+        return 0 if oldest is None else version - oldest
+
+    def must_train_this_step(self, group: GroupState[P]) -> bool:
+        """Under ``wait``: a group holding a token that would exceed ``max_staleness`` at the next step (versions
+        advance by one per step) must be finished -- every sample, even one not started -- and trained in this one;
+        an unfinished such group holds the step end."""
+        return self.config.staleness_policy == "wait" and any(
+            self._lag(sample, self.version + 1) > self.config.max_staleness for sample in group.samples
+        )
 
     def _take_out(self, group: GroupState[P], reason: str) -> None:
         thrown = sum(len(sample.token_ids) for sample in group.samples)
@@ -400,7 +429,10 @@ class RolloutPool(Generic[P]):
         return [group for group in sorted(self.groups.values(), key=lambda g: g.group_id) if group.finished]
 
     def step_done(self) -> bool:
-        return len(self.ready_groups()) >= self.batch_groups
+        """``batch_groups`` finished groups, and (``wait``) no unfinished sample that must finish this step."""
+        if sum(group.finished for group in self.groups.values()) < self.batch_groups:
+            return False
+        return not any(not group.finished and self.must_train_this_step(group) for group in self.groups.values())
 
     def in_flight(self) -> int:
         return sum(sample.in_flight for group in self.groups.values() for sample in group.samples)

@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=10, help="simulated steps per mode")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the averages")
     parser.add_argument(
-        "--modes", default="sync,partial,keep,kimi,on_policy", help=f"comma list of {sorted(mode_configs(4))}"
+        "--modes", default="sync,partial,keep,kimi,on_policy,stream", help=f"comma list of {sorted(mode_configs(4))}"
     )
     parser.add_argument("--extra-groups", type=int, help="override partial.extra_groups of every non-sync mode")
     parser.add_argument("--json", help="also write the rows to this JSON file")

@@ -33,7 +33,8 @@ def mode_configs(batch: int) -> dict[str, PartialConfig]:
     synchronous rollout. ``partial``: the ``default`` preset. ``keep``: default with ``staleness_policy=keep``.
     ``kimi``: the ``kimi`` preset (per-step token budget). ``on_policy``: the ``on_policy`` preset (no token
     from an older policy; longest expected answers start first). ``on_policy_over``: on-policy with
-    over-provisioning (unfinished samples are restarted on the new weights, their tokens thrown away).
+    over-provisioning (unfinished samples are restarted on the new weights, their tokens thrown away). ``stream``:
+    streaming admission at a hard staleness bound (``staleness_policy=wait``, ``refill=true``, no extra groups).
     """
     return {
         "sync": PartialConfig(extra_groups=0, **_NO_STALLS),
@@ -43,6 +44,7 @@ def mode_configs(batch: int) -> dict[str, PartialConfig]:
             extra_groups=8, step_token_budget=1024, max_staleness=8, staleness_policy="keep", **_NO_STALLS
         ),
         "on_policy": PartialConfig(extra_groups=0, max_staleness=0, schedule="longest_first", **_NO_STALLS),
+        "stream": PartialConfig(extra_groups=0, staleness_policy="wait", refill=True, **_NO_STALLS),
         "on_policy_over": PartialConfig(
             extra_groups=batch // 4, max_staleness=0, schedule="longest_first", **_NO_STALLS
         ),
