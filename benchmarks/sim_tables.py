@@ -8,13 +8,13 @@ from pathlib import Path
 
 MODE_NAMES = {
     "sync": "sync",
-    "partial": "partial (`default`: extra 4, restart, staleness 1)",
+    "partial": "`restart`, extra 4 (the previous `default`)",
     "keep": "`keep` (default + keep)",
     "kimi": "`kimi` (budget 1024, extra 8, keep)",
     "on_policy": "`on_policy` (staleness 0, longest first)",
     "on_policy_over": "on_policy + 32 extra groups (restart)",
     "keep_quarter": "`keep` + 32 extra groups (a quarter of the batch)",
-    "stream": "`stream` (wait + refill, staleness 1)",
+    "stream": "**`default`** (wait + refill, staleness 1)",
 }
 
 

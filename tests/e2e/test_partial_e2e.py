@@ -196,10 +196,12 @@ def test_on_policy_preset_trains_only_current_policy_tokens(demo_assets, tmp_pat
         assert all(v == dump["version"] for sample in dump["samples"] for v in sample["versions"])
 
 
-def test_stream_preset_refills_mid_step_and_throws_nothing_away(demo_assets, tmp_path):
-    """``+partial=stream`` through the trainer: groups are admitted mid-step (more than the batch in a step), every
-    trained token is at most one version old, nothing is restarted or thrown away, whole groups, each once."""
-    run = run_trainer(demo_assets, tmp_path, steps=4, partial="stream", extra=[f"partial.dump_dir={tmp_path / 'dump'}"])
+def test_default_preset_refills_mid_step_and_throws_nothing_away(demo_assets, tmp_path):
+    """``+partial=default`` (``wait`` + ``refill``) through the trainer: groups are admitted mid-step (more than the
+    batch in a step), every trained token is at most one version old, nothing is restarted or thrown away, whole
+    groups, each once."""
+    dump = f"partial.dump_dir={tmp_path / 'dump'}"
+    run = run_trainer(demo_assets, tmp_path, steps=4, partial="default", extra=[dump])
     run.assert_ok()
     trained: list[str] = []
     for step in range(1, 5):

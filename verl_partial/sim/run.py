@@ -30,11 +30,13 @@ def mode_configs(batch: int) -> dict[str, PartialConfig]:
     """The modes the projection compares, as the presets in hydra_configs/partial/ define them.
 
     ``sync``: no over-provisioning, so a step waits for its slowest sample and nothing is parked -- verl's
-    synchronous rollout. ``partial``: the ``default`` preset. ``keep``: default with ``staleness_policy=keep``.
+    synchronous rollout. ``partial``: the previous ``default`` preset (``restart``, 4 extra groups, the typed
+    ``PartialConfig`` defaults). ``keep``: that with ``staleness_policy=keep``.
     ``kimi``: the ``kimi`` preset (per-step token budget). ``on_policy``: the ``on_policy`` preset (no token
     from an older policy; longest expected answers start first). ``on_policy_over``: on-policy with
     over-provisioning (unfinished samples are restarted on the new weights, their tokens thrown away). ``stream``:
-    streaming admission at a hard staleness bound (``staleness_policy=wait``, ``refill=true``, no extra groups).
+    today's ``default`` preset, streaming admission at a hard staleness bound (``staleness_policy=wait``,
+    ``refill=true``, no extra groups).
     """
     return {
         "sync": PartialConfig(extra_groups=0, **_NO_STALLS),
