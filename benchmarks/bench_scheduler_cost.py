@@ -2,6 +2,7 @@
 
     python benchmarks/bench_scheduler_cost.py 512          # prompts per step; n = 16, extra groups = prompts / 8
     python benchmarks/bench_scheduler_cost.py 512 --prof   # with a profile of the top functions
+    python benchmarks/bench_scheduler_cost.py 512 --default  # the +partial=default settings (wait + refill)
 
 The real ``run_step`` and ``RolloutPool`` (pure core) drive a backend that answers each call after a virtual delay
 proportional to its length (lognormal, median 6k tokens, cap 16k, 30 tokens/s per request, 8 servers) on a
@@ -26,6 +27,7 @@ from verl_partial.core.scheduler import run_step
 from verl_partial.sim.clock import run_virtual
 
 N, RESPONSE_LENGTH, TOKENS_PER_S, SERVERS, STEPS = 16, 16384, 30.0, 8, 3
+PROMPT_IDS = np.arange(3, 13, dtype=np.int32)  # every segment reports the same tokenised prompt, as engines do
 
 
 class InstantBackend:
@@ -53,7 +55,7 @@ class InstantBackend:
         handle.cancel()
         if not future.done():
             ids = np.arange(tokens, dtype=np.int32) % 100 + 3
-            result = SegmentResult(ids, np.zeros(tokens, np.float32), finish, request.server, None, ids[:10])
+            result = SegmentResult(ids, np.zeros(tokens, np.float32), finish, request.server, None, PROMPT_IDS)
             future.set_result(result)
 
     def _abort(self, request_id: str) -> None:
@@ -83,8 +85,11 @@ class EndlessPrompts:
         return self.drawn, f"p{self.drawn}"
 
 
-async def measure(prompts: int) -> None:
-    config = PartialConfig(extra_groups=prompts // 8, max_staleness=1, staleness_policy="keep")
+async def measure(prompts: int, default: bool) -> None:
+    if default:  # +partial=default
+        config = PartialConfig(extra_groups=0, max_staleness=1, staleness_policy="wait", refill=True)
+    else:
+        config = PartialConfig(extra_groups=prompts // 8, max_staleness=1, staleness_policy="keep")
     pool: RolloutPool[int] = RolloutPool(config, group_size=N, batch_groups=prompts, response_length=RESPONSE_LENGTH)
     backend, source = InstantBackend(), EndlessPrompts()
     for step in range(1, STEPS + 1):
@@ -99,7 +104,7 @@ def main() -> None:
     profile = cProfile.Profile() if "--prof" in sys.argv else None
     if profile is not None:
         profile.enable()
-    run_virtual(measure(prompts))
+    run_virtual(measure(prompts, "--default" in sys.argv))
     if profile is not None:
         profile.disable()
         pstats.Stats(profile).sort_stats("cumtime").print_stats(18)

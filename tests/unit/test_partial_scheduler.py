@@ -105,6 +105,9 @@ def simulate(
                 source.position = state[1]
             engine.version = step - 1
             result = await run_step(pool, engine, source, step=step, version=step - 1, server_version=step - 1)
+            assert pool.ready_groups() == [
+                g for g in sorted(pool.groups.values(), key=lambda g: g.group_id) if g.finished
+            ]
             assert not engine.generating(), "a call is still generating after the step returned"
             assert not engine.live_calls(), "a call is still pending at a live server after the step returned"
             before = engine.tokens_generated

@@ -212,6 +212,10 @@ class RolloutPool(Generic[P]):
         # Launch order (``partial.schedule``): a sort key, ascending; None keeps oldest group first.
         self.priority = priority
         self.groups: dict[int, GroupState[P]] = {}
+        # Ids of finished groups, kept in step with ``groups`` so that admission (``free_slots``, on every wake of
+        # the scheduler) and ``step_done`` do not rescan every sample: at 512 x 16 that rescan was a third of the
+        # scheduler's driver time.
+        self._finished: set[int] = set()
         self.next_group_id = 0
         self.version = 0
         self.server_version: int | None = None
@@ -239,7 +243,7 @@ class RolloutPool(Generic[P]):
         ``batch_groups`` finished ones) no longer hold a slot, so a finished group is replaced mid-step."""
         held = len(self.groups)
         if self.config.refill:
-            held -= min(self.batch_groups, sum(group.finished for group in self.groups.values()))
+            held -= min(self.batch_groups, len(self._finished))
         return max(0, self.capacity - held)
 
     def admit(self, prompt: P, key: str) -> int:
@@ -276,6 +280,7 @@ class RolloutPool(Generic[P]):
                 # The prefix cache does not survive a step end: no stickiness across steps.
                 sample.last_server = None
             self._enforce_staleness(group)
+        self._finished = {group.group_id for group in self.groups.values() if group.finished}
 
     def _enforce_staleness(self, group: GroupState[P]) -> None:
         """``wait`` lets no unfinished sample reach this point stale; a finished group the last step could not train
@@ -310,6 +315,7 @@ class RolloutPool(Generic[P]):
         thrown = sum(len(sample.token_ids) for sample in group.samples)
         self.count(tokens_discarded=thrown, **{f"{reason}_groups": 1})
         del self.groups[group.group_id]
+        self._finished.discard(group.group_id)
         self.events.append((reason, group.key))
 
     def runnable(self) -> list[SampleRef]:
@@ -401,6 +407,8 @@ class RolloutPool(Generic[P]):
         sample.finished = finished(result.finish, len(sample.token_ids), self.response_length)
         if sample.finished:
             self.finished_lengths.append(len(sample.token_ids))
+            if group.finished:
+                self._finished.add(group.group_id)
         self.server_tokens[result.server] += len(new_ids)
         self.count(tokens_generated=len(new_ids))
 
@@ -426,11 +434,12 @@ class RolloutPool(Generic[P]):
         return False
 
     def ready_groups(self) -> list[GroupState[P]]:
-        return [group for group in sorted(self.groups.values(), key=lambda g: g.group_id) if group.finished]
+        """Finished groups, oldest first."""
+        return [self.groups[group_id] for group_id in sorted(self._finished)]
 
     def step_done(self) -> bool:
         """``batch_groups`` finished groups, and (``wait``) no unfinished sample that must finish this step."""
-        if sum(group.finished for group in self.groups.values()) < self.batch_groups:
+        if len(self._finished) < self.batch_groups:
             return False
         return not any(not group.finished and self.must_train_this_step(group) for group in self.groups.values())
 
@@ -468,6 +477,7 @@ class RolloutPool(Generic[P]):
         taken = ready[: self.batch_groups]
         for group in taken:
             del self.groups[group.group_id]
+            self._finished.discard(group.group_id)
             self.events.append(("trained", group.key))
         self.count(trained_groups=len(taken))
         return taken
@@ -566,6 +576,7 @@ class RolloutPool(Generic[P]):
             samples = [SampleState(**sample) for sample in raw["samples"]]
             group = GroupState(**{**raw, "samples": samples})
             self.groups[group.group_id] = group
+        self._finished = {group.group_id for group in self.groups.values() if group.finished}
         self.next_group_id = state["next_group_id"]
         self.version = state["version"]
         self.step = state["step"]
