@@ -31,8 +31,16 @@ pytestmark = pytest.mark.e2e
 STEPS, GROUPS, N = 4, 8, 4
 
 
+# The default's `wait` policy, with groups admitted at the step start (no refill) and 4 extra groups: those start with
+# the step, so every step end parks samples holding tokens (the resumed, two-version samples invariants 4-6 need),
+# and a run admits a fixed number of prompts, so the resumed run can be checked to draw exactly the prompts the
+# uninterrupted one drew. With refill (test_default_preset_refills_mid_step...) admission follows the timing of
+# finishes, and on the tiny demo model a group admitted just before a step end may be parked with no token yet.
+PINNED_ADMISSION = ("partial.refill=false", "partial.extra_groups=4")
+
+
 def partial_overrides(output_dir: Path) -> list[str]:
-    return [*checkpointed_partial_overrides(output_dir), "+rollout_correction=decoupled_token_is"]
+    return [*checkpointed_partial_overrides(output_dir), *PINNED_ADMISSION, "+rollout_correction=decoupled_token_is"]
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
@@ -105,7 +113,7 @@ def test_rollout_log_probs_come_from_the_weights_that_generated_each_token(strai
 def test_trainer_logs_partial_and_lag_split_metrics(straight_run):
     for step in range(1, STEPS + 1):
         metrics = straight_run.steps[step]
-        assert straight_run.metric(step, "partial/in_flight_groups") <= GROUPS + 4
+        assert straight_run.metric(step, "partial/in_flight_groups") <= GROUPS + 4  # + the pinned extra groups
         for key in ("partial/resumed_fraction", "partial/staleness/mean", "partial/tokens_generated"):
             straight_run.metric(step, key)
         # The decoupled preset ran on the driver: the old-log-prob pass and verl's IS weights.
