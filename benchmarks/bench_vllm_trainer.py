@@ -71,7 +71,10 @@ MODES: dict[str, tuple[str | None, tuple[str, ...]]] = {
     # The default preset before streaming admission: restart, 4 extra groups, groups admitted at the step start.
     "partial": ("default", RESTART),
     "on_policy": ("on_policy", ()),
-    "partial_extra8": ("default", (*RESTART[:2], "partial.extra_groups=8")),
+    "partial_extra8": (
+        "default",
+        ("partial.staleness_policy=restart", "partial.refill=false", "partial.extra_groups=8"),
+    ),
     # +partial=default: streaming admission at a hard staleness bound (finished groups are replaced mid-step, a
     # step ends only once its carried-over groups are done, nothing is restarted).
     "stream": ("default", ()),

@@ -34,9 +34,10 @@ class PartialConfig:
             ``restart`` regenerates it from the prompt (tokens are thrown away and counted), ``drop``
             removes its whole group (counted, its prompt replaced by a fresh one), ``keep`` trains it
             anyway and leaves the off-policy gap to rollout correction. ``wait`` never lets a sample get that
-            old: a step does not end while an unfinished sample would exceed ``max_staleness`` at the next step, so
-            nothing is thrown away, long answers are not held back, and the bound is hard; the price is that a step
-            lasts until its carried-over answers are done (``refill`` keeps the engine busy meanwhile).
+            old: a step does not end while an unfinished group holds a token that would exceed ``max_staleness``
+            at the next step, so nothing is thrown away, long answers are not held back, and the bound is hard;
+            the price is that a step lasts until its carried-over groups are done (``refill`` keeps the engine
+            busy meanwhile).
         refill: a group that finishes during a step frees its pool slot at once (it is trained at this step's
             end), so the scheduler admits a fresh group mid-step and the engine keeps ``train_batch_size +
             extra_groups`` groups generating instead of draining towards the step end (the streaming admission
