@@ -13,6 +13,7 @@ import pytest
 from harness import Run, run_trainer
 
 from verl_partial.demo.assets import tool_overrides
+from verl_partial.demo.tools import TOOL_DELAY_ENV
 
 pytestmark = pytest.mark.e2e
 
@@ -33,8 +34,8 @@ TRANSITIONS = (
 MINI_BATCH_ROWS = 16
 
 
-def _run(assets, output_dir, steps: int, *extra: str) -> Run:
-    run = run_trainer(assets, output_dir, steps=steps, extra=[*TRANSITIONS, *extra])
+def _run(assets, output_dir, steps: int, *extra: str, **options) -> Run:
+    run = run_trainer(assets, output_dir, steps=steps, extra=[*TRANSITIONS, *extra], **options)
     run.assert_ok()
     for step in range(1, steps + 1):
         print(
@@ -52,6 +53,20 @@ def by_trajectory(demo_tool_assets, tmp_path_factory) -> Run:
 
 
 @pytest.fixture(scope="module")
+def with_partial(demo_tool_assets, tmp_path_factory) -> Run:
+    # A random 0-2 s tool delay makes step ends find conversations between turns, so parked and resumed
+    # trajectories reach the transition cut (as in test_tool_agent_e2e).
+    return _run(
+        demo_tool_assets,
+        tmp_path_factory.mktemp("with_partial"),
+        STEPS,
+        "balance.group_key=trajectory_id",
+        partial="default",
+        env={TOOL_DELAY_ENV: "2"},
+    )
+
+
+@pytest.fixture(scope="module")
 def by_turn(demo_tool_assets, tmp_path_factory) -> Run:
     # Rows grouped by turn number: a turn's group is larger than a mini-batch, so it is cut (split mode).
     return _run(
@@ -63,8 +78,13 @@ def by_turn(demo_tool_assets, tmp_path_factory) -> Run:
     )
 
 
-def test_transitions_of_a_trajectory_share_one_optimizer_step(by_trajectory):
-    run = by_trajectory
+@pytest.fixture(params=["sync", "partial"])
+def transition_run(request) -> Run:
+    return request.getfixturevalue("by_trajectory" if request.param == "sync" else "with_partial")
+
+
+def test_transitions_of_a_trajectory_share_one_optimizer_step(transition_run):
+    run = transition_run
     for step in range(1, STEPS + 1):
         trajectories = run.metric(step, "balance/trajectories")
         rows = run.metric(step, "balance/transition_rows")
@@ -87,3 +107,13 @@ def test_a_key_that_ignores_trajectories_reports_them_split(by_turn):
     assert sum(run.metric(step, "balance/trajectories_split") for step in (1, 2)) > 0
     for step in (1, 2):
         assert run.metric(step, "balance/transition_rows") > run.metric(step, "balance/trajectories")
+
+
+def test_parked_trajectories_are_cut_into_transitions_with_partial_rollout(with_partial):
+    """``+partial=default`` hands the cut whole trajectories that were parked and resumed across steps: they keep
+    their transitions together and their tokens within the staleness bound."""
+    run = with_partial
+    for step in range(1, STEPS + 1):
+        assert run.metric(step, "partial/staleness/max") <= 1
+        assert run.metric(step, "partial/tokens_discarded") == 0
+    assert max(run.metric(step, "partial/resumed_fraction") for step in range(1, STEPS + 1)) > 0
