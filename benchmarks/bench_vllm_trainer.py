@@ -49,13 +49,16 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from statistics import NormalDist
 from typing import Any
 
+import numpy as np
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
 from verl_partial.core.finish import Finish
+from verl_partial.sim.bound import StepCostFloor, phase_floor
 
 REPO = Path(__file__).resolve().parents[1]
 LOCK = "/tmp/team/heavy.lock"
@@ -84,6 +87,8 @@ MODES: dict[str, tuple[str | None, tuple[str, ...]]] = {
 DEFAULT_MODES = ("sync", "partial", "on_policy", "stream")
 ENGINES = ("cpu_vllm", "cpu")
 RUN_TIMEOUT_S = 1200  # one trainer run, once it holds the lock
+# Requests submitted at once in the engine-limit measurement: the step-time curve the staleness floor is fit under.
+PEAK_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
 # ---------------------------------------------------------------------------------------------- imposed lengths
@@ -338,25 +343,68 @@ def summarise(run: dict[str, Any], wl: Workload) -> dict[str, float]:
     return out
 
 
+def best_rates(peaks: Iterable[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Per engine and batch size, the best tokens/s of every stored measurement (the shortest step seen)."""
+    merged: dict[str, dict[str, float]] = {}
+    for peak_ in peaks:
+        for engine, rates in peak_.items():
+            for key, rate in rates.items():
+                merged.setdefault(engine, {})[key] = max(rate, merged.get(engine, {}).get(key, 0.0))
+    return merged
+
+
+def step_floors(rates: dict[str, float]) -> list[StepCostFloor]:
+    """Affine floors under the engine's step time, from its measured tokens/s per batch size (a step of n
+    requests decodes n tokens)."""
+    seconds = {int(key.rsplit("_", 1)[1]): int(key.rsplit("_", 1)[1]) / rate for key, rate in rates.items()}
+    return StepCostFloor.under_measured_steps(seconds, max_requests=64)
+
+
+def trained_steps(run: dict[str, Any], wl: Workload) -> list[np.ndarray]:
+    """Per measured step, lengths with the trained answers' longest and total (verl's response_length/max and
+    /mean). The step floors of :func:`step_floors` depend on nothing else (no per-context or KV term)."""
+    samples = wl.prompts * wl.n
+    out = []
+    for data in _per_step(run, wl):
+        longest, total = float(data["response_length/max"]), float(data["response_length/mean"]) * samples
+        out.append(np.array([longest, *[(total - longest) / (samples - 1)] * (samples - 1)]))
+    return out
+
+
+def ceiling(sync: dict[str, Any], run: dict[str, Any], wl: Workload, floors: list[StepCostFloor], lag: int) -> float:
+    """Highest speed-up over ``sync``'s rollout phase any scheduler could reach training ``run``'s batches at
+    staleness ``lag`` on this engine (verl_partial/sim/bound.py; prefill and per-step overhead left out)."""
+    steps = trained_steps(run, wl)
+    return summarise(sync, wl)["gen_s"] / phase_floor(steps, 0, floors, servers=1, max_staleness=lag)
+
+
 def tables(results: dict[str, Any]) -> str:
     wl = Workload(**{k: v for k, v in results["workload"].items() if k != "lengths"},
                   lengths=Lengths(**results["workload"]["lengths"]))  # fmt: skip
     lines = [
         "| engine | mode | gen s/step (steps >= 2, mean ± std) | speed-up vs sync | staleness max | tokens generated "
         "/ step | tokens trained / step | tokens discarded / step | resumed fraction | generated tokens/s "
-        "(% of engine limit) | step s (whole step) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "(% of engine limit) | step s (whole step) | ceiling at its staleness |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    ceilings = []
     per_step = ["| engine | mode | " + " | ".join(f"step {i}" for i in range(1, wl.steps + 1)) + " |",
                 "|---|---|" + "---:|" * wl.steps]  # fmt: skip
     for engine in ENGINES:
         runs = [r for r in results["runs"] if r["engine"] == engine]
-        sync = next((summarise(r, wl)["gen_s"] for r in runs if r["mode"] == "sync" and r["returncode"] == 0), None)
+        sync_run = next((r for r in runs if r["mode"] == "sync" and r["returncode"] == 0), None)
+        sync = summarise(sync_run, wl)["gen_s"] if sync_run else None
+        rates = results.get("peak", {}).get(engine, {})
+        floors = step_floors(rates) if rates else []
+        if sync_run and floors:
+            ceilings.append(f"{engine}: {ceiling(sync_run, sync_run, wl, floors, 1):.2f}x")
         for run in runs:
             if run["returncode"] != 0:
-                lines.append(f"| {engine} | {run['mode']} | failed (exit {run['returncode']}) | | | | | | | | |")
+                lines.append(f"| {engine} | {run['mode']} | failed (exit {run['returncode']}) | | | | | | | | | |")
                 continue
             s = summarise(run, wl)
+            lag = int(s["staleness_max"])
+            cap = f"{ceiling(sync_run, run, wl, floors, lag):.2f}x" if sync_run and floors else "n/a"
             speed = f"{sync / s['gen_s']:.2f}x" if sync else "n/a"
             rate = s["tokens_generated"] / s["gen_s"]
             limit = results.get("peak", {}).get(engine, {}).get("tokens_per_s_64")
@@ -364,7 +412,8 @@ def tables(results: dict[str, Any]) -> str:
             lines.append(
                 f"| {engine} | {run['mode']} | {s['gen_s']:.2f} ± {s['gen_s_std']:.2f} | {speed} | "
                 f"{s['staleness_max']:.0f} | {s['tokens_generated']:,.0f} | {s['tokens_trained']:,.0f} | "
-                f"{s['tokens_discarded']:,.0f} | {s['resumed_fraction']:.2f} | {rate_cell} | {s['step_s']:.1f} |"
+                f"{s['tokens_discarded']:,.0f} | {s['resumed_fraction']:.2f} | {rate_cell} | {s['step_s']:.1f} | "
+                f"{cap} |"
             )
             cells = [f"{float(run['steps'][str(i)]['timing_s/gen']):.2f}" if str(i) in run["steps"] else "-"
                      for i in range(1, wl.steps + 1)]  # fmt: skip
@@ -382,6 +431,11 @@ def tables(results: dict[str, Any]) -> str:
             "Engine limit (each engine alone, 77-token requests submitted at once, best of 3): " + "; ".join(limits)
             if limits
             else "Engine limit: not measured.",
+            "",
+            "Ceiling: the highest speed-up over sync's rollout phase any scheduler could reach training that run's "
+            "batches at its staleness, with every engine step at least the floor under the measured step times "
+            "(verl_partial/sim/bound.py; prefill and per-step overhead left out, so it is generous). For sync's own "
+            "batches at staleness <= 1: " + ("; ".join(ceilings) or "not measured") + ".",
             "",
             "verl's `timing_s/gen` of every step (step 1 is warm-up):",
             "",
@@ -427,8 +481,9 @@ def machine() -> dict[str, str]:
 
 
 def peak(engine: str, model_dir: Path, tokens: int, repeats: int = 3) -> dict[str, float]:
-    """Engine tokens/s with 1 and with 64 requests of ``tokens`` tokens each submitted at once (``ignore_eos``),
-    best of ``repeats``: the engine's own limit, outside the trainer (run under the lock by ``--peak``)."""
+    """Engine tokens/s with each of :data:`PEAK_BATCHES` requests of ``tokens`` tokens submitted at once
+    (``ignore_eos``), best of ``repeats``: the engine's own limit outside the trainer, and its step time per batch
+    size (run under the lock by ``--peak``)."""
     import asyncio
 
     import torch
@@ -441,7 +496,7 @@ def peak(engine: str, model_dir: Path, tokens: int, repeats: int = 3) -> dict[st
         llm = LLM(str(model_dir), dtype="float32", enforce_eager=True, max_num_seqs=64, max_model_len=576, seed=0)
         params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=1.0)
         llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], params, use_tqdm=False)  # warm-up
-        for batch in (1, 64):
+        for batch in PEAK_BATCHES:
             for _ in range(repeats):
                 started = time.perf_counter()
                 llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:batch]], params, use_tqdm=False)
@@ -459,7 +514,7 @@ def peak(engine: str, model_dir: Path, tokens: int, repeats: int = 3) -> dict[st
         engine_ = CpuBatchedEngine(model, eos_token_ids=set(), max_num_seqs=64, max_model_len=576, seed=0)
         params = CpuParams(max_tokens=tokens, temperature=1.0, ignore_eos=True)
         await engine_.generate("warmup", prompts[0], params)
-        for batch in (1, 64):
+        for batch in PEAK_BATCHES:
             for repeat in range(repeats):
                 started = time.perf_counter()
                 await asyncio.gather(
@@ -547,7 +602,7 @@ def main(argv: list[str] | None = None) -> None:
         results = {**stored[0], "runs": [run for part in stored for run in part["runs"]]}
         results["total_seconds"] = sum(part["total_seconds"] for part in stored)
         results["commands"] = [part["command"] for part in stored]
-        results["peak"] = {engine: rates for part in stored for engine, rates in part.get("peak", {}).items()}
+        results["peak"] = best_rates(part.get("peak", {}) for part in stored)
         results["runs"].sort(key=lambda run: (ENGINES.index(run["engine"]), list(MODES).index(run["mode"])))
     else:
         results = measure(args, argv)

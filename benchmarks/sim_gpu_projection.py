@@ -25,7 +25,7 @@ from pathlib import Path
 from verl_partial.core.partial_config import PartialConfig
 from verl_partial.sim.engine import ServerSpec
 from verl_partial.sim.hardware import H100_SXM, QWEN25_7B, QWEN25_32B
-from verl_partial.sim.run import mode_configs, simulate, summarize, throughput_limit
+from verl_partial.sim.run import ceiling, mode_configs, simulate, summarize, throughput_limit
 from verl_partial.sim.workload import Workload
 
 NO_STALLS = {"request_timeout_s": 1e9}
@@ -49,6 +49,9 @@ def projection(steps: int, step_overhead_s: float = 0.0) -> list[dict[str, objec
                 warmup = WARMUP.get(mode, 2)
                 runs[mode] = simulate(configs[mode], load, spec, servers, steps + warmup).steady(warmup)
                 row = summarize(runs[mode], runs["sync"], load, limit)
+                # What this run trained, at its staleness; and sync's (unbiased) batches at staleness 1.
+                row["ceiling_at_its_staleness"] = ceiling(runs["sync"], runs[mode], load, spec, servers)
+                row["ceiling_at_staleness_1"] = ceiling(runs["sync"], runs["sync"], load, spec, servers, 1)
                 rows.append({"model": size, "tail": tail, "mode": mode, "limit_tokens_per_s": limit, **row})
                 print(json.dumps(rows[-1]), flush=True)
     return rows

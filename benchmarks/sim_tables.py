@@ -21,15 +21,38 @@ MODE_NAMES = {
 def projection_table(rows: list[dict]) -> str:
     lines = [
         "| model | p99/p50 | mode | rollout s/step (mean ± std) | speed-up vs sync | % of throughput limit "
-        "| staleness mean / max | tokens thrown away | KS vs unbiased | max group wait (steps) |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| staleness mean / max | tokens thrown away | KS vs unbiased | max group wait (steps) "
+        "| ceiling for its batches at its staleness |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         lines.append(
             f"| {row['model']} | {row['tail']:.0f} | {MODE_NAMES[row['mode']]} | {row['rollout_s']:.1f} ± "
             f"{row['rollout_s_std']:.1f} | {row['speedup']:.2f}x | {row['share_of_limit']:.0%} | "
             f"{row['staleness_mean']:.2f} / {row['staleness_max']:.0f} | {row['discarded_fraction']:.1%} | "
-            f"{row['ks_vs_sync']:.3f} | {row['max_group_wait']:.0f} |"
+            f"{row['ks_vs_sync']:.3f} | {row['max_group_wait']:.0f} | {row['ceiling_at_its_staleness']:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def ceiling_table(rows: list[dict]) -> str:
+    """Per shape: how far sync runs above its floor, the staleness-1 ceiling for sync's (unbiased) batches, the
+    highest share of the throughput limit that ceiling allows, and where the default preset stands."""
+    lines = [
+        "| model | p99/p50 | sync / its floor | ceiling at staleness <= 1 | highest % of limit at staleness <= 1 "
+        "| `default` speed-up | `default` / ceiling |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    by_shape: dict[tuple[str, float], dict[str, dict]] = {}
+    for row in rows:
+        by_shape.setdefault((row["model"], row["tail"]), {})[row["mode"]] = row
+    for (model, tail), modes in by_shape.items():
+        sync, default = modes["sync"], modes["stream"]
+        ceiling = sync["ceiling_at_staleness_1"]
+        lines.append(
+            f"| {model} | {tail:.0f} | {sync['ceiling_at_its_staleness']:.2f} | {ceiling:.2f}x | "
+            f"{min(1.0, sync['share_of_limit'] * ceiling):.0%} | {default['speedup']:.2f}x | "
+            f"{default['speedup'] / ceiling:.0%} |"
         )
     return "\n".join(lines)
 
@@ -66,6 +89,7 @@ def main() -> None:
     if "projection" in report:
         print(limits_table(report["projection"]), end="\n\n")
         print(projection_table(report["projection"]), end="\n\n")
+        print(ceiling_table(report["projection"]), end="\n\n")
     for key in sorted(k for k in report if k.startswith("bias")):
         print(key, bias_table(report[key]), sep="\n", end="\n\n")
 

@@ -222,8 +222,13 @@ def test_simulate_command_prints_one_row_per_mode(capsys):
             "8",
         ]
     )
-    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
     assert [row.split(" | ")[0] for row in rows] == ["| mode", "| sync", "| partial", "| on_policy"]
+    assert rows[0].split(" | ")[-1] == "ceiling at its staleness |"
+    # No schedule beats its own floor: sync's ceiling over itself is at least 1.
+    assert float(rows[1].split(" | ")[-1].rstrip(" |x")) >= 1.0
+    assert "for sync's batches at staleness <= 1" in out
 
 
 def _fully_async(staleness: float, servers: int = 2, required: int = 4, versions: int = 5):

@@ -2,7 +2,8 @@
 
 Runs verl-partial's real scheduler against a roofline model of vLLM servers in virtual time (a few seconds of CPU
 per simulated step) and prints, per mode, the rollout seconds per step, the speed-up over synchronous rollout,
-the share of the engine-throughput limit, staleness, thrown-away tokens and the length bias of what is trained.
+the share of the engine-throughput limit, staleness, thrown-away tokens, the length bias of what is trained, and
+the ceiling: the highest speed-up any scheduler could reach at that staleness (verl_partial/sim/bound.py).
 The model, its sources and its validation error are in docs/gpu-projection.md.
 """
 
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 from verl_partial.core.partial_config import PartialConfig
 from verl_partial.sim.engine import ServerSpec
 from verl_partial.sim.hardware import GPUS, MODELS, ModelSpec
-from verl_partial.sim.run import mode_configs, simulate, summarize, throughput_limit
+from verl_partial.sim.run import ceiling, mode_configs, simulate, summarize, throughput_limit
 from verl_partial.sim.workload import Workload
 
 COLUMNS = (
@@ -27,6 +28,7 @@ COLUMNS = (
     ("discarded_fraction", "discarded", "{:.1%}"),
     ("ks_vs_sync", "KS vs sync", "{:.3f}"),
     ("max_group_wait", "max wait (steps)", "{:.0f}"),
+    ("ceiling", "ceiling at its staleness", "{:.2f}x"),
 )
 
 
@@ -101,7 +103,19 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         if args.extra_groups is not None and mode != "sync":
             config = PartialConfig(**{**config.__dict__, "extra_groups": args.extra_groups})
         runs[mode] = simulate(config, workload, spec, servers, args.steps).steady(args.warmup)
-    rows = {mode: summarize(record, runs["sync"], workload, limit) for mode, record in runs.items() if mode in modes}
+    rows = {
+        mode: {
+            **summarize(record, runs["sync"], workload, limit),
+            "ceiling": ceiling(runs["sync"], record, workload, spec, servers),
+        }
+        for mode, record in runs.items()
+        if mode in modes
+    }
+    print(
+        "ceiling: the highest speed-up over sync any scheduler reaches training those batches at that staleness "
+        f"(docs/gpu-projection.md); for sync's batches at staleness <= 1: "
+        f"{ceiling(runs['sync'], runs['sync'], workload, spec, servers, 1):.2f}x"
+    )
     print("| mode | " + " | ".join(title for _, title, _ in COLUMNS) + " |")
     print("|---|" + "---:|" * len(COLUMNS))
     for mode, row in rows.items():

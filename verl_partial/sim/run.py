@@ -18,6 +18,7 @@ from verl_partial.core.partial_config import PartialConfig
 from verl_partial.core.pool import RolloutPool
 from verl_partial.core.scheduler import run_step
 from verl_partial.sim.backend import SimBackend
+from verl_partial.sim.bound import StepCostFloor, phase_floor
 from verl_partial.sim.clock import run_virtual
 from verl_partial.sim.engine import ServerSpec
 from verl_partial.sim.workload import PromptCycle, Workload
@@ -157,3 +158,19 @@ def summarize(run: ModeRun, sync: ModeRun, workload: Workload, limit: float) -> 
         "max_group_wait": float(run.waits.max()) if run.waits.size else 0.0,
         "mean_trained_length": float(run.lengths.mean()) if run.lengths.size else 0.0,
     }
+
+
+def ceiling(
+    sync: ModeRun,
+    trained: ModeRun,
+    workload: Workload,
+    spec: ServerSpec,
+    servers: int,
+    max_staleness: int | None = None,
+) -> float:
+    """Highest speed-up over ``sync`` any colocated scheduler could reach training ``trained``'s batches at
+    ``max_staleness`` (default: the staleness ``trained`` reached): sync's mean phase over the staleness floor
+    (verl_partial/sim/bound.py)."""
+    staleness = int(max(trained.staleness_max)) if max_staleness is None else max_staleness
+    floor = phase_floor(trained.trained_lengths, workload.prompt_len, StepCostFloor.of_server(spec), servers, staleness)
+    return float(np.mean(sync.seconds)) / floor
