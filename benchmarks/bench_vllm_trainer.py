@@ -55,6 +55,7 @@ from statistics import NormalDist
 from typing import Any
 
 import numpy as np
+from _modes import previous_default
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
 from verl_partial.core.finish import Finish
@@ -66,18 +67,14 @@ START, END = "<!-- vllm-trainer:start -->", "<!-- vllm-trainer:end -->"
 AGENT_LOOP = "imposed_length_agent"
 # The imposed-length workload reaches the Ray workers through the environment they inherit from the driver.
 TARGET_ENV = "VERL_PARTIAL_BENCH_TARGET"  # "seed,median,sigma,cap"
-RESTART = ("partial.staleness_policy=restart", "partial.refill=false", "partial.extra_groups=4")
 # mode -> (preset, overrides on top of it). partial_extra8: the previous default with twice its over-provisioning
 # (24 groups in flight for 16 trained), the depth of the "stop at 64 of 96" measurement.
 MODES: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "sync": (None, ()),
     # The default preset before streaming admission: restart, 4 extra groups, groups admitted at the step start.
-    "partial": ("default", RESTART),
+    "partial": ("default", previous_default()),
     "on_policy": ("on_policy", ()),
-    "partial_extra8": (
-        "default",
-        ("partial.staleness_policy=restart", "partial.refill=false", "partial.extra_groups=8"),
-    ),
+    "partial_extra8": ("default", previous_default(extra_groups=8)),
     # +partial=default: streaming admission at a hard staleness bound (finished groups are replaced mid-step, a
     # step ends only once its carried-over groups are done, nothing is restarted).
     "stream": ("default", ()),

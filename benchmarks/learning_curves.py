@@ -58,6 +58,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from benchmarks._machine import cpu_name  # noqa: E402
+from benchmarks._modes import previous_default  # noqa: E402
 from verl_partial.cli import DEFAULT_CACHE, demo_command  # noqa: E402
 from verl_partial.demo.assets import DemoAssets, build_assets, hydra_overrides  # noqa: E402
 
@@ -87,7 +88,6 @@ KEPT_METRICS = (
 )
 VAL_PREFIX = "val-core/"
 # The default preset before streaming admission (restart, 4 extra groups); every curve in the docs was run this way.
-RESTART = ("partial.staleness_policy=restart", "partial.refill=false", "partial.extra_groups=4")
 MODE_ORDER = ("sync", "restart", "keep", "kimi", "on_policy", "stream")
 KS_CRITICAL_C = 1.358  # two-sample KS, alpha = 0.05
 
@@ -104,7 +104,7 @@ class Mode:
 def modes(keep_extra_groups: int) -> dict[str, Mode]:
     return {
         "sync": Mode("sync", None),
-        "restart": Mode("restart", "default", RESTART),
+        "restart": Mode("restart", "default", previous_default()),
         "keep": Mode(
             "keep",
             "default",
