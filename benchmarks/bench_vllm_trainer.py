@@ -39,6 +39,7 @@ import argparse
 import dataclasses
 import datetime as _dt
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -67,6 +68,9 @@ START, END = "<!-- vllm-trainer:start -->", "<!-- vllm-trainer:end -->"
 AGENT_LOOP = "imposed_length_agent"
 # The imposed-length workload reaches the Ray workers through the environment they inherit from the driver.
 TARGET_ENV = "VERL_PARTIAL_BENCH_TARGET"  # "seed,median,sigma,cap"
+# --engine-steps: folder where every vLLM engine process appends one line per engine step (time, tokens decoded).
+ENGINE_STEPS_ENV = "VERL_PARTIAL_BENCH_ENGINE_STEPS"
+PARTIAL_HOOK_ENV = "VERL_PARTIAL_BENCH_PARTIAL_HOOK"
 # mode -> (preset, overrides on top of it). partial_extra8: the previous default with twice its over-provisioning
 # (24 groups in flight for 16 trained), the depth of the issue's "stop at 64 of 96" measurement.
 MODES: dict[str, tuple[str | None, tuple[str, ...]]] = {
@@ -135,8 +139,38 @@ class ImposedLengthAgentLoop(SingleTurnAgentLoop):
         return await super().run(sampling_params, priority=priority, **kwargs)
 
 
+def worker_setup() -> None:
+    """Ray ``worker_process_setup_hook``: imposed lengths for the partial modes, the engine-step record if asked."""
+    if os.environ.get(PARTIAL_HOOK_ENV):
+        install_partial_hook()
+    if os.environ.get(ENGINE_STEPS_ENV):
+        record_engine_steps(Path(os.environ[ENGINE_STEPS_ENV]))
+
+
+def record_engine_steps(folder: Path) -> None:
+    """Append every vLLM engine step's output time and decoded tokens to ``folder/<pid>.jsonl``.
+
+    vLLM's own per-step statistics (``IterationStats``, one per engine-core output) reach its stat-logger manager
+    when ``rollout.disable_log_stats=false``; consecutive timestamps of a busy engine are its step times inside the
+    trainer, where the standalone curve (:func:`peak`) cannot see the processes it shares the cores with.
+    """
+    from vllm.v1.metrics import loggers
+
+    record = loggers.StatLoggerManager.record
+    out = folder / f"{os.getpid()}.jsonl"
+
+    def recording(self: Any, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
+        if iteration_stats is not None:
+            with open(out, "a") as sink:
+                sink.write(json.dumps([iteration_stats.iteration_timestamp, iteration_stats.num_generation_tokens,
+                                       iteration_stats.num_prompt_tokens]) + "\n")  # fmt: skip
+        record(self, scheduler_stats, iteration_stats, *args, **kwargs)
+
+    loggers.StatLoggerManager.record = recording
+
+
 def install_partial_hook() -> None:
-    """Ray ``worker_process_setup_hook`` of the partial modes: imposed lengths in ``PartialAgentLoopWorker``."""
+    """Imposed lengths in ``PartialAgentLoopWorker`` (the partial modes)."""
     from verl_partial.glue.partial_agent_loop import PartialAgentLoopWorker
 
     generate, sampling_params = PartialAgentLoopWorker._generate, PartialAgentLoopWorker.sampling_params
@@ -230,7 +264,9 @@ def build_assets(root: Path, wl: Workload) -> dict[str, Path]:
     return paths
 
 
-def trainer_overrides(paths: dict[str, Path], wl: Workload, run_dir: Path, mode: str) -> list[str]:
+def trainer_overrides(
+    paths: dict[str, Path], wl: Workload, run_dir: Path, mode: str, engine_steps: bool = False
+) -> list[str]:
     from verl_partial.demo import task
 
     mb = wl.micro_batch
@@ -261,27 +297,33 @@ def trainer_overrides(paths: dict[str, Path], wl: Workload, run_dir: Path, mode:
             f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loops}",
             f"actor_rollout_ref.rollout.agent.default_agent_loop={AGENT_LOOP}",
         ]
-    else:
-        overrides.append(
-            "+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=bench_vllm_trainer.install_partial_hook"
-        )
+    if mode != "sync" or engine_steps:
+        overrides.append("+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=bench_vllm_trainer.worker_setup")
+    if engine_steps:
+        overrides.append("actor_rollout_ref.rollout.disable_log_stats=false")
     return overrides
 
 
 # ---------------------------------------------------------------------------------------------- runs
-def run_one(engine: str, mode: str, paths: dict[str, Path], wl: Workload, out_root: Path) -> dict[str, Any]:
+def run_one(
+    engine: str, mode: str, paths: dict[str, Path], wl: Workload, out_root: Path, engine_steps: bool = False
+) -> dict[str, Any]:
     from verl_partial.cli import demo_command
 
     run_dir = out_root / f"{engine}-{mode}"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     metrics = run_dir / "metrics.jsonl"
+    steps_dir = run_dir / "engine_steps"
+    engine_steps = engine_steps and engine == "cpu_vllm"  # vLLM's own per-step statistics
+    if engine_steps:
+        steps_dir.mkdir()
     command = demo_command(
         [],
         steps=wl.steps,
         output_dir=run_dir,
         partial=MODES[mode][0],
-        extra=[*trainer_overrides(paths, wl, run_dir, mode), *MODES[mode][1]],
+        extra=[*trainer_overrides(paths, wl, run_dir, mode, engine_steps), *MODES[mode][1]],
         backend=engine,
     )
     env = {
@@ -289,6 +331,8 @@ def run_one(engine: str, mode: str, paths: dict[str, Path], wl: Workload, out_ro
         "VERL_FILE_LOGGER_PATH": str(metrics),
         TARGET_ENV: wl.lengths.env(),
         "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])),
+        **({PARTIAL_HOOK_ENV: "1"} if mode != "sync" else {}),
+        **({ENGINE_STEPS_ENV: str(steps_dir)} if engine_steps else {}),
     }
     started = time.time()
     with open(run_dir / "verl.log", "w") as log:
@@ -307,7 +351,26 @@ def run_one(engine: str, mode: str, paths: dict[str, Path], wl: Workload, out_ro
     print(
         f"{engine} {mode}: exit {code}, {len(steps)} steps, {time.time() - started:.0f} s (incl. lock wait)", flush=True
     )
-    return {"engine": engine, "mode": mode, "returncode": code, "steps": {str(k): v for k, v in sorted(steps.items())}}
+    run = {"engine": engine, "mode": mode, "returncode": code, "steps": {str(k): v for k, v in sorted(steps.items())}}
+    if engine_steps:
+        run["engine_step_seconds"] = engine_step_seconds(steps_dir)
+    return run
+
+
+# Gaps between two engine outputs longer than this are idle time (between phases), not a step.
+IDLE_GAP_S = 0.5
+
+
+def engine_step_seconds(folder: Path) -> dict[str, list[float]]:
+    """Decode-only engine steps recorded by :func:`record_engine_steps`, by tokens decoded: every step's time
+    (the gap to the previous output of the same engine process)."""
+    by_batch: dict[str, list[float]] = {}
+    for path in folder.glob("*.jsonl"):
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        for (before, _, _), (at, decoded, prefilled) in itertools.pairwise(records):
+            if decoded > 0 and prefilled == 0 and 0 < at - before < IDLE_GAP_S:
+                by_batch.setdefault(str(decoded), []).append(at - before)
+    return dict(sorted(by_batch.items(), key=lambda item: int(item[0])))
 
 
 def _per_step(run: dict[str, Any], wl: Workload) -> list[dict[str, Any]]:
@@ -357,6 +420,29 @@ def step_floors(rates: dict[str, float]) -> list[StepCostFloor]:
     return StepCostFloor.under_measured_steps(seconds, max_requests=64)
 
 
+def trainer_step_seconds(runs: list[dict[str, Any]]) -> dict[int, list[float]]:
+    """Engine step times inside the trainer, by tokens decoded, pooled over ``runs`` recorded with --engine-steps."""
+    pooled: dict[int, list[float]] = {}
+    for run in runs:
+        for batch, seconds in run.get("engine_step_seconds", {}).items():
+            pooled.setdefault(int(batch), []).extend(seconds)
+    return dict(sorted(pooled.items()))
+
+
+def trainer_step_table(pooled: dict[int, list[float]], rates: dict[str, float]) -> list[str]:
+    """Shortest and median engine step inside the trainer per batch size, beside the standalone step."""
+    lines = ["| requests decoded | engine steps | inside the trainer: shortest | median | standalone (best) |",
+             "|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for batch in sorted(set(pooled) & {1, 2, 4, 8, 16, 32, 64}):
+        alone = rates.get(f"tokens_per_s_{batch}")
+        standalone = f"{1e3 * batch / alone:.1f} ms" if alone else "-"
+        lines.append(
+            f"| {batch} | {len(pooled[batch])} | {1e3 * min(pooled[batch]):.1f} ms | "
+            f"{1e3 * float(np.median(pooled[batch])):.1f} ms | {standalone} |"
+        )
+    return lines
+
+
 def trained_steps(run: dict[str, Any], wl: Workload) -> list[np.ndarray]:
     """Per measured step, lengths with the trained answers' longest and total (verl's response_length/max and
     /mean). The step floors of :func:`step_floors` depend on nothing else (no per-context or KV term)."""
@@ -384,7 +470,8 @@ def tables(results: dict[str, Any]) -> str:
         "(% of engine limit) | step s (whole step) | ceiling at its staleness |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    ceilings = []
+    ceilings: list[str] = []
+    trainer_steps: list[str] = []
     per_step = ["| engine | mode | " + " | ".join(f"step {i}" for i in range(1, wl.steps + 1)) + " |",
                 "|---|---|" + "---:|" * wl.steps]  # fmt: skip
     for engine in ENGINES:
@@ -392,9 +479,17 @@ def tables(results: dict[str, Any]) -> str:
         sync_run = next((r for r in runs if r["mode"] == "sync" and r["returncode"] == 0), None)
         sync = summarise(sync_run, wl)["gen_s"] if sync_run else None
         rates = results.get("peak", {}).get(engine, {})
-        floors = step_floors(rates) if rates else []
+        # Step floors: under the engine's own steps inside the trainer when recorded, else under its standalone curve.
+        inside = trainer_step_seconds(runs)
+        if inside:
+            floors = StepCostFloor.under_measured_steps({n: min(t) for n, t in inside.items()}, max_requests=64)
+            table = trainer_step_table(inside, rates)
+            trainer_steps += [f"{engine}, every engine step of these runs:", "", *table, ""]
+        else:
+            floors = step_floors(rates) if rates else []
         if sync_run and floors:
-            ceilings.append(f"{engine}: {ceiling(sync_run, sync_run, wl, floors, 1):.2f}x")
+            source = "engine steps inside the trainer" if inside else "standalone curve"
+            ceilings.append(f"{engine}: {ceiling(sync_run, sync_run, wl, floors, 1):.2f}x (floor under its {source})")
         for run in runs:
             if run["returncode"] != 0:
                 lines.append(f"| {engine} | {run['mode']} | failed (exit {run['returncode']}) | | | | | | | | | |")
@@ -434,6 +529,7 @@ def tables(results: dict[str, Any]) -> str:
             "(verl_partial/sim/bound.py; prefill and per-step overhead left out, so it is generous). For sync's own "
             "batches at staleness <= 1: " + ("; ".join(ceilings) or "not measured") + ".",
             "",
+            *trainer_steps,
             "verl's `timing_s/gen` of every step (step 1 is warm-up):",
             "",
             *per_step,
@@ -563,7 +659,7 @@ def measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         for mode in filter(None, args.modes.split(",")):
             if any(run["engine"] == engine and run["mode"] == mode for run in kept):
                 continue
-            results["runs"].append(run_one(engine, mode, paths, wl, args.work_dir / "runs"))
+            results["runs"].append(run_one(engine, mode, paths, wl, args.work_dir / "runs", args.engine_steps))
             results["total_seconds"] = time.time() - started
             if args.json:
                 args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -589,6 +685,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, help="write (or with --from-json read) the results here")
     parser.add_argument("--from-json", type=Path, nargs="+", help="re-render stored results (runs merged), run nothing")
     parser.add_argument("--peak-only", action="store_true", help="measure each engine's own limit, no trainer runs")
+    parser.add_argument(
+        "--engine-steps", action="store_true", help="record vLLM's engine step times inside the trainer (cpu_vllm)"
+    )
     parser.add_argument(
         "--keep", action="store_true", help="with --json: keep its successful runs, run only missing or failed ones"
     )
