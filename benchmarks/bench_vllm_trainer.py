@@ -157,13 +157,15 @@ def record_engine_steps(folder: Path) -> None:
     from vllm.v1.metrics import loggers
 
     record = loggers.StatLoggerManager.record
-    out = folder / f"{os.getpid()}.jsonl"
+    sink: list[Any] = []  # opened at the first step: only the engine processes of the job write a file
 
     def recording(self: Any, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
         if iteration_stats is not None:
-            with open(out, "a") as sink:
-                sink.write(json.dumps([iteration_stats.iteration_timestamp, iteration_stats.num_generation_tokens,
-                                       iteration_stats.num_prompt_tokens]) + "\n")  # fmt: skip
+            if not sink:
+                sink.append(open(folder / f"{os.getpid()}.jsonl", "a", buffering=1))  # noqa: SIM115 (process-long)
+            stats = iteration_stats
+            sink[0].write(json.dumps([stats.iteration_timestamp, stats.num_generation_tokens, stats.num_prompt_tokens]))
+            sink[0].write("\n")
         record(self, scheduler_stats, iteration_stats, *args, **kwargs)
 
     loggers.StatLoggerManager.record = recording

@@ -438,7 +438,7 @@ class RolloutPool(Generic[P]):
         return [self.groups[group_id] for group_id in sorted(self._finished)]
 
     def step_done(self) -> bool:
-        """``batch_groups`` finished groups, and (``wait``) no unfinished sample that must finish this step."""
+        """``batch_groups`` finished groups, and (``wait``) no unfinished group that must be trained this step."""
         if len(self._finished) < self.batch_groups:
             return False
         return not any(not group.finished and self.must_train_this_step(group) for group in self.groups.values())
