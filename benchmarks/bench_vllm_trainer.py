@@ -39,7 +39,6 @@ import argparse
 import dataclasses
 import datetime as _dt
 import hashlib
-import itertools
 import json
 import math
 import os
@@ -355,24 +354,82 @@ def run_one(
     )
     run = {"engine": engine, "mode": mode, "returncode": code, "steps": {str(k): v for k, v in sorted(steps.items())}}
     if engine_steps:
-        run["engine_step_seconds"] = engine_step_seconds(steps_dir)
+        run["engine_steps"] = engine_step_phases(steps_dir)
     return run
 
 
-# Gaps between two engine outputs longer than this are idle time (between phases), not a step.
+# Gaps between two engine outputs longer than this are idle time or a whole-batch prefill, not a decode step.
 IDLE_GAP_S = 0.5
+# Gaps longer than this separate two rollout phases (a trainer step's training lies between them).
+PHASE_GAP_S = 5.0
+# Consecutive engine steps per stretch that the step floors are fitted under (see stretch_points).
+STRETCH_STEPS = 16
+STRETCH_LENGTHS = (1, 2, 4, STRETCH_STEPS, 64)  # the ceiling reported for sync's batches under each
+VLLM_CPU_BLOCK = 128  # tokens per KV block of vLLM's CPU build unless a block size is set (verl sets none)
 
 
-def engine_step_seconds(folder: Path) -> dict[str, list[float]]:
-    """Decode-only engine steps recorded by :func:`record_engine_steps`, by tokens decoded: every step's time
-    (the gap to the previous output of the same engine process)."""
-    by_batch: dict[str, list[float]] = {}
-    for path in folder.glob("*.jsonl"):
-        records = [json.loads(line) for line in path.read_text().splitlines()]
-        for (before, _, _), (at, decoded, prefilled) in itertools.pairwise(records):
-            if decoded > 0 and prefilled == 0 and 0 < at - before < IDLE_GAP_S:
-                by_batch.setdefault(str(decoded), []).append(at - before)
-    return dict(sorted(by_batch.items(), key=lambda item: int(item[0])))
+def engine_step_phases(folder: Path) -> list[list[list[float | None]]]:
+    """Rollout phases of the steps recorded by :func:`record_engine_steps`, each a list of ``[seconds since the
+    previous output (None for a phase's first), tokens decoded, prompt tokens prefilled]``."""
+    phases: list[list[list[float | None]]] = []
+    for path in sorted(folder.glob("*.jsonl")):
+        before = None
+        for at, decoded, prefilled in (json.loads(line) for line in path.read_text().splitlines()):
+            gap = None if before is None or at - before > PHASE_GAP_S else round(at - before, 6)
+            if gap is None:
+                phases.append([])
+            phases[-1].append([gap, decoded, prefilled])
+            before = at
+    return phases
+
+
+def _timed_steps(phase: list[list[float | None]]) -> np.ndarray:
+    """A phase's engine steps as ``[seconds, decoded, prefilled]`` rows, without its first output (whose step began
+    before the record did). An output with no token (a request's abort or end notice, stamped right after the step
+    before it) is not a step: its time joins the step before it, so it cannot pose as a fast step."""
+    rows: list[list[float]] = []
+    for seconds, decoded, prefilled in phase:
+        if seconds is None:
+            continue
+        if not decoded and not prefilled and rows:
+            rows[-1][0] += seconds
+        else:
+            rows.append([seconds, decoded, prefilled])
+    return np.array(rows).reshape(-1, 3)
+
+
+def trainer_step_seconds(runs: list[dict[str, Any]]) -> dict[int, list[float]]:
+    """Decode-only engine step times inside the trainer, by tokens decoded, pooled over ``runs`` recorded with
+    --engine-steps."""
+    pooled: dict[int, list[float]] = {}
+    for run in runs:
+        for phase in run.get("engine_steps", []):
+            for seconds, decoded, prefilled in phase:
+                if seconds is not None and seconds <= IDLE_GAP_S and decoded and not prefilled:
+                    pooled.setdefault(int(decoded), []).append(seconds)
+    return dict(sorted(pooled.items()))
+
+
+def stretch_points(runs: list[dict[str, Any]], steps: int) -> list[tuple[float, float, float]]:
+    """``(mean tokens decoded, mean prompt tokens prefilled, mean seconds)`` of every stretch of ``steps``
+    consecutive engine steps inside the trainer. vLLM stamps a step when its output is processed, so one step can
+    look fast because the one before it was stamped late; over a stretch that error is divided by ``steps``."""
+    points: list[tuple[float, float, float]] = []
+    for run in runs:
+        for phase in run.get("engine_steps", []):
+            rows = _timed_steps(phase)
+            if len(rows) < steps:
+                continue
+            sums = np.vstack([np.zeros(3), np.cumsum(rows, axis=0)])
+            window = (sums[steps:] - sums[:-steps]) / steps
+            points += [(float(decoded), float(prefilled), float(seconds)) for seconds, decoded, prefilled in window]
+    return [point for point in points if point[0] >= 1]  # a stretch of prefill alone prices no decode step
+
+
+def trainer_floors(runs: list[dict[str, Any]], steps: int = STRETCH_STEPS) -> list[StepCostFloor]:
+    """Step floors under every stretch of ``steps`` consecutive engine steps recorded inside the trainer."""
+    points = stretch_points(runs, steps)
+    return StepCostFloor.under_measured_steps(points, max_requests=64) if points else []
 
 
 def _per_step(run: dict[str, Any], wl: Workload) -> list[dict[str, Any]]:
@@ -418,17 +475,10 @@ def best_rates(peaks: Iterable[dict[str, dict[str, float]]]) -> dict[str, dict[s
 def step_floors(rates: dict[str, float]) -> list[StepCostFloor]:
     """Affine floors under the engine's step time, from its measured tokens/s per batch size (a step of n
     requests decodes n tokens)."""
-    seconds = {int(key.rsplit("_", 1)[1]): int(key.rsplit("_", 1)[1]) / rate for key, rate in rates.items()}
-    return StepCostFloor.under_measured_steps(seconds, max_requests=64)
-
-
-def trainer_step_seconds(runs: list[dict[str, Any]]) -> dict[int, list[float]]:
-    """Engine step times inside the trainer, by tokens decoded, pooled over ``runs`` recorded with --engine-steps."""
-    pooled: dict[int, list[float]] = {}
-    for run in runs:
-        for batch, seconds in run.get("engine_step_seconds", {}).items():
-            pooled.setdefault(int(batch), []).extend(seconds)
-    return dict(sorted(pooled.items()))
+    batches = [int(key.rsplit("_", 1)[1]) for key in rates]
+    return StepCostFloor.under_measured_steps(
+        [(batch, 0, batch / rate) for batch, rate in zip(batches, rates.values(), strict=True)], max_requests=64
+    )
 
 
 def trainer_step_table(pooled: dict[int, list[float]], rates: dict[str, float]) -> list[str]:
@@ -458,9 +508,42 @@ def trained_steps(run: dict[str, Any], wl: Workload) -> list[np.ndarray]:
 
 def ceiling(sync: dict[str, Any], run: dict[str, Any], wl: Workload, floors: list[StepCostFloor], lag: int) -> float:
     """Highest speed-up over ``sync``'s rollout phase any scheduler could reach training ``run``'s batches at
-    staleness ``lag`` on this engine (verl_partial/sim/bound.py; prefill and per-step overhead left out)."""
-    steps = trained_steps(run, wl)
-    return summarise(sync, wl)["gen_s"] / phase_floor(steps, 0, floors, servers=1, max_staleness=lag)
+    staleness ``lag`` on this engine (verl_partial/sim/bound.py; re-prefill and time outside the engine left out).
+    Every trained sample's prompt is prefilled at least once: vLLM's CPU build caches whole 128-token blocks only
+    (verl sets no block size), so prompts of at most ``max_prompt_length`` < 128 tokens are never shared."""
+    if wl.max_prompt_length >= VLLM_CPU_BLOCK:
+        raise ValueError(f"prompts of up to {wl.max_prompt_length} tokens may share cached blocks; the prefill term "
+                         "assumes none")  # fmt: skip
+    samples = wl.prompts * wl.n
+    prompts = statistics.fmean(float(data["prompt_length/mean"]) * samples for data in _per_step(run, wl))
+    floor = phase_floor(trained_steps(run, wl), 0, floors, servers=1, max_staleness=lag, prompt_tokens=prompts)
+    return summarise(sync, wl)["gen_s"] / floor
+
+
+def phase_table(runs: list[dict[str, Any]], floors: list[StepCostFloor], wl: Workload) -> list[str]:
+    """Where each run's rollout phase goes (measured steps, means): the engine's busy time against the floor of the
+    steps it ran (fixed cost per step, cost per token decoded and per prompt token prefilled, at the best floor),
+    and the part of verl's ``timing_s/gen`` outside the engine's first to last output (which includes the
+    phase's first step)."""
+    lines = ["| mode | gen s | engine busy s | outside the engine s | engine steps | tokens decoded | prompt tokens "
+             "prefilled | floor of those steps s | busy above the floor s |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for run in runs:
+        phases, steps = run.get("engine_steps", []), _per_step(run, wl)
+        if not steps or len(phases) != len(run["steps"]):
+            continue  # no record, or phases that cannot be matched to the trainer's steps one to one
+        rows = []
+        for phase, data in zip(phases[wl.first_measured - 1 :], steps, strict=True):
+            timed = _timed_steps(phase)
+            busy, count = float(timed[:, 0].sum()), int(np.count_nonzero(timed[:, 1]))
+            decoded, prefilled = float(timed[:, 1].sum()), float(timed[:, 2].sum())
+            floor = max(f.fixed_s * count + f.per_request_s * decoded + f.per_prefill_s * prefilled for f in floors)
+            gen = float(data["timing_s/gen"])
+            rows.append((gen, busy, gen - busy, count, decoded, prefilled, floor, busy - floor))
+        mean = np.mean(rows, axis=0)
+        lines.append(f"| {run['mode']} | {mean[0]:.2f} | {mean[1]:.2f} | {mean[2]:.2f} | {mean[3]:.0f} | "
+                     f"{mean[4]:,.0f} | {mean[5]:,.0f} | {mean[6]:.2f} | {mean[7]:.2f} |")  # fmt: skip
+    return lines
 
 
 def tables(results: dict[str, Any]) -> str:
@@ -484,14 +567,25 @@ def tables(results: dict[str, Any]) -> str:
         # Step floors: under the engine's own steps inside the trainer when recorded, else under its standalone curve.
         inside = trainer_step_seconds(runs)
         if inside:
-            floors = StepCostFloor.under_measured_steps({n: min(t) for n, t in inside.items()}, max_requests=64)
+            floors = trainer_floors(runs)
             table = trainer_step_table(inside, rates)
             trainer_steps += [f"{engine}, every engine step of these runs:", "", *table, ""]
+            trainer_steps += [*phase_table(runs, floors, wl), ""]
         else:
             floors = step_floors(rates) if rates else []
-        if sync_run and floors:
-            source = "engine steps inside the trainer" if inside else "standalone curve"
-            ceilings.append(f"{engine}: {ceiling(sync_run, sync_run, wl, floors, 1):.2f}x (floor under its {source})")
+        if sync_run and inside:
+            by_stretch = ", ".join(
+                f"{ceiling(sync_run, sync_run, wl, trainer_floors(runs, k), 1):.2f}x ({k})"
+                for k in STRETCH_LENGTHS
+                if trainer_floors(runs, k)
+            )
+            ceilings.append(
+                f"{engine}: {by_stretch}, with the floor under every stretch of (n) consecutive engine steps inside "
+                f"the trainer; the run's column uses {STRETCH_STEPS}"
+            )
+        elif sync_run and floors:
+            ceilings.append(f"{engine}: {ceiling(sync_run, sync_run, wl, floors, 1):.2f}x (floor under its standalone "
+                            "curve)")  # fmt: skip
         for run in runs:
             if run["returncode"] != 0:
                 lines.append(f"| {engine} | {run['mode']} | failed (exit {run['returncode']}) | | | | | | | | | |")
@@ -528,7 +622,9 @@ def tables(results: dict[str, Any]) -> str:
             "",
             "Ceiling: the highest speed-up over sync's rollout phase any scheduler could reach training that run's "
             "batches at its staleness, with every engine step at least the floor under the measured step times "
-            "(verl_partial/sim/bound.py; prefill and per-step overhead left out, so it is generous). For sync's own "
+            "(verl_partial/sim/bound.py; every trained prompt prefilled once where the floor prices prefill, "
+            "re-prefill and the time outside the engine left out, so it is generous). "
+            "For sync's own "
             "batches at staleness <= 1: " + ("; ".join(ceilings) or "not measured") + ".",
             "",
             *trainer_steps,

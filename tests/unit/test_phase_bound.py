@@ -51,7 +51,7 @@ def test_the_kv_cache_forces_steps_when_the_context_does_not_fit_in_one():
 
 def test_floors_under_measured_step_times_stay_under_every_point():
     measured = {1: 0.008, 8: 0.010, 64: 0.0215}
-    floors = StepCostFloor.under_measured_steps(measured, max_requests=64)
+    floors = StepCostFloor.under_measured_steps([(n, 0, t) for n, t in measured.items()], max_requests=64)
     assert floors
     for floor in floors:
         for n, seconds in measured.items():
@@ -62,7 +62,36 @@ def test_floors_under_measured_step_times_stay_under_every_point():
     assert (pytest.approx(0.008 - 0.0135 / 63), pytest.approx(0.0135 / 63)) in lines
     assert not any(b == pytest.approx(0.002 / 7) for _, b in lines)
     with pytest.raises(ValueError, match="batch sizes"):
-        StepCostFloor.under_measured_steps({}, max_requests=64)
+        StepCostFloor.under_measured_steps([], max_requests=64)
+
+
+def test_floors_under_many_stretch_means_never_pass_above_a_point_and_price_prefill_only_when_measured():
+    rng = np.random.default_rng(3)
+    decoded = rng.uniform(1, 64, 2_000)
+    prefilled = np.where(rng.random(decoded.size) < 0.1, rng.uniform(0, 500, decoded.size), 0.0)
+    seconds = 0.004 + 0.0003 * decoded + 0.00025 * prefilled + rng.exponential(0.003, decoded.size)
+    points = [*zip(decoded, prefilled, seconds, strict=True)]
+    points += [(1.0, 0.0, 0.0041), (1.0, 0.0, 0.02), (64.0, 0.0, 0.0233)]  # one batch size measured twice
+    floors = StepCostFloor.under_measured_steps(points, max_requests=64)
+    for floor in floors:
+        slack = [s - floor.fixed_s - floor.per_request_s * n - floor.per_prefill_s * p for n, p, s in points]
+        assert min(slack) >= -1e-12
+        # Each line touches the points (a hull edge, or the flat line through the lowest): none lies loose below.
+        assert min(slack) == pytest.approx(0, abs=1e-12)
+    assert max(f.per_prefill_s for f in floors) > 0.0002  # the prefill the points carry is priced
+    assert any(f.fixed_s + f.per_request_s == pytest.approx(0.0041) for f in floors)
+    # Without a prefilling point nothing says what a prompt token costs: no floor may claim one.
+    decode_only = StepCostFloor.under_measured_steps([(n, 0, s) for n, p, s in points if not p], max_requests=64)
+    assert decode_only and all(f.per_prefill_s == 0 for f in decode_only)
+
+
+def test_every_trained_prompt_is_prefilled_once_in_the_work_floor():
+    # 2 steps of 4 samples (longest 3), 100 prompt tokens each: 400 prefilled per step at 0.01 s a token.
+    steps = [np.array([3, 1, 1, 1])] * 2
+    cost = StepCostFloor(fixed_s=1.0, per_request_s=0.5, per_prefill_s=0.01)
+    assert phase_floor(steps, 0, [cost], servers=1, max_staleness=1) == pytest.approx(1.5 + 3.0)
+    assert phase_floor(steps, 0, [cost], 1, max_staleness=1, prompt_tokens=400) == pytest.approx(1.5 + 3.0 + 4.0)
+    assert work_floor(steps, 0, cost, 2, 1, prompt_tokens=400) == pytest.approx((1.5 + 3.0 + 4.0) / 2)
 
 
 TINY_GPU = GpuSpec("tiny", hbm_bytes=20e9, hbm_bandwidth=1e12, bf16_flops=1e15)
