@@ -229,6 +229,9 @@ def test_simulate_command_prints_one_row_per_mode(capsys):
     # No schedule beats its own floor: sync's ceiling over itself is at least 1.
     assert float(rows[1].split(" | ")[-1].rstrip(" |x")) >= 1.0
     assert "for sync's batches at staleness <= 1" in out
+    for row in rows[1:]:  # the mean phase lies between the shortest and the longest
+        mean, shortest, longest = (float(cell) for cell in row.split(" | ")[1:4])
+        assert shortest <= mean <= longest
 
 
 def _fully_async(staleness: float, servers: int = 2, required: int = 4, versions: int = 5):

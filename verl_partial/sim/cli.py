@@ -1,7 +1,8 @@
 """``verl-partial simulate`` / ``python -m verl_partial.sim``: project partial rollout onto your GPUs and workload.
 
 Runs verl-partial's real scheduler against a roofline model of vLLM servers in virtual time (a few seconds of CPU
-per simulated step) and prints, per mode, the rollout seconds per step, the speed-up over synchronous rollout,
+per simulated step) and prints, per mode, the rollout seconds per step (mean, shortest and longest phase: a
+scheduler that alternates short and long phases shows it there), the speed-up over synchronous rollout,
 the share of the engine-throughput limit, staleness, thrown-away tokens, the length bias of what is trained, and
 the ceiling: the highest speed-up any scheduler could reach at that staleness (verl_partial/sim/bound.py).
 The model, its sources and its validation error are in docs/gpu-projection.md.
@@ -21,6 +22,8 @@ from verl_partial.sim.workload import Workload
 
 COLUMNS = (
     ("rollout_s", "rollout s/step", "{:.1f}"),
+    ("rollout_s_min", "shortest phase s", "{:.1f}"),
+    ("rollout_s_max", "longest phase s", "{:.1f}"),
     ("speedup", "speed-up", "{:.2f}x"),
     ("share_of_limit", "% of limit", "{:.0%}"),
     ("staleness_mean", "staleness mean", "{:.2f}"),

@@ -147,6 +147,8 @@ def summarize(run: ModeRun, sync: ModeRun, workload: Workload, limit: float) -> 
     return {
         "rollout_s": seconds,
         "rollout_s_std": float(np.std(run.seconds)),
+        "rollout_s_min": float(np.min(run.seconds)),
+        "rollout_s_max": float(np.max(run.seconds)),
         "speedup": float(np.mean(sync.seconds)) / seconds,
         "trained_tokens_per_s": trained / seconds,
         "share_of_limit": trained / seconds / limit,
