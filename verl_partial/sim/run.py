@@ -83,16 +83,27 @@ class ModeRun:
         return np.concatenate(self.group_waits) if self.group_waits else np.zeros(0)
 
 
-def simulate(config: PartialConfig, workload: Workload, spec: ServerSpec, servers: int, steps: int) -> ModeRun:
+def simulate(
+    config: PartialConfig,
+    workload: Workload,
+    spec: ServerSpec,
+    servers: int,
+    steps: int,
+    *,
+    pool_type: type[RolloutPool[int]] = RolloutPool,
+    source_type: type[PromptCycle] = PromptCycle,
+) -> ModeRun:
     """``steps`` rollout phases of ``config`` on ``servers`` simulated servers, in virtual time.
 
     ``partial.schedule=longest_first`` orders launches with a :class:`LengthEstimator` over the prompts' history
-    (prompt identity = its index in the workload's data set) and their finished siblings.
+    (prompt identity = its index in the workload's data set) and their finished siblings. ``pool_type`` and
+    ``source_type`` let an experiment try a scheduling variant before it becomes a knob
+    (benchmarks/sim_tail_levers.py).
     """
     estimator = LengthEstimator(identity=lambda group: group.prompt) if config.schedule == "longest_first" else None
 
     async def main() -> ModeRun:
-        pool: RolloutPool[int] = RolloutPool(
+        pool = pool_type(
             config,
             group_size=workload.n,
             batch_groups=workload.batch,
@@ -100,7 +111,7 @@ def simulate(config: PartialConfig, workload: Workload, spec: ServerSpec, server
             priority=estimator.priority if estimator else None,
         )
         backend = SimBackend(spec, servers, workload)
-        source = PromptCycle(workload)
+        source = source_type(workload)
         record = ModeRun()
         for step in range(steps):
             source.step = step
