@@ -10,6 +10,12 @@ that cause. Each runs the real scheduler in the simulator, beside `default` and 
 * ``oracle_admission``: prompts are admitted from a look-ahead buffer knowing each group's longest answer (an
   oracle no real trainer has): the longest groups at a phase start, the shortest mid-phase. With a mid-phase cap,
   no group whose longest answer exceeds it is admitted mid-phase. An upper bound on length-aware admission.
+* ``min_phase``: a step does not end before a fraction of the previous phase has passed, so a short phase lets
+  the long answers it started run longer (the scheduler's loop is woken at that moment through its deadline
+  hook; an experiment on its internals, not a knob).
+* ``extra_groups``: more groups in flight than the batch, which the presets refuse under ``wait`` + ``refill``
+  because the next step could not train every group tied to it. Here that refusal is replaced by a rule: at a
+  step start, the tied groups beyond what the step can train are restarted, fewest tokens first (counted).
 
     python benchmarks/sim_tail_levers.py --json benchmarks/results/sim_tail_levers.json   # ~3 min of CPU
 """
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -25,8 +32,9 @@ from pathlib import Path
 import numpy as np
 from sim_gpu_projection import SETUPS  # the projection's setups (benchmarks/ is the script's folder)
 
+from verl_partial.core import scheduler
 from verl_partial.core.pool import RolloutPool
-from verl_partial.sim.run import ModeRun, ks_distance, mode_configs, simulate
+from verl_partial.sim.run import ModeRun, ks_distance, mode_configs, simulate, throughput_limit
 from verl_partial.sim.workload import PromptCycle, Workload
 
 LOOKAHEAD_GROUPS = 256  # prompts the oracle may choose from: two steps' worth
@@ -95,10 +103,61 @@ class OracleAdmission(PromptCycle):
         return prompt, key
 
 
-def row(name: str, run: ModeRun, sync: ModeRun, load: Workload) -> dict[str, object]:
+class ExtraGroupsPool(RolloutPool[int]):
+    """``default``'s pool with extra groups: at a step start, unfinished groups holding tokens beyond the batch's
+    room (the step must train them all) are restarted, the ones with the fewest tokens first."""
+
+    def begin_step(self, step: int, version: int, server_version: int | None = None) -> None:
+        tied = [g for g in self.groups.values() if not g.finished and any(len(s.token_ids) for s in g.samples)]
+        room = max(0, self.batch_groups - sum(1 for g in self.groups.values() if g.finished))
+        tied.sort(key=lambda group: sum(len(sample.token_ids) for sample in group.samples))
+        thrown = sum(sample.discard_tokens() for group in tied[: max(0, len(tied) - room)] for sample in group.samples)
+        super().begin_step(step, version, server_version)
+        self.count(tokens_discarded=thrown)
+
+
+class MinPhasePool(RolloutPool[int]):
+    """``default``'s pool whose step is not done before ``fraction`` x the previous phase has passed, while
+    anything still runs (with nothing running there is nothing to wait for)."""
+
+    fraction = 0.0
+    hold_until = 0.0
+    phase_start: float | None = None
+    previous_phase = 0.0
+
+    def begin_step(self, step: int, version: int, server_version: int | None = None) -> None:
+        now = asyncio.get_running_loop().time()
+        if self.phase_start is not None:
+            self.previous_phase = now - self.phase_start
+        self.phase_start = now
+        type(self).hold_until = now + self.fraction * self.previous_phase
+        super().begin_step(step, version, server_version)
+
+    def step_done(self) -> bool:
+        holding = asyncio.get_running_loop().time() < self.hold_until and self.in_flight() > 0
+        return super().step_done() and not holding
+
+
+class _HoldStep(scheduler._Step):
+    """The scheduler's per-step state, woken at :class:`MinPhasePool`'s hold end to re-check the step end."""
+
+    def next_deadline(self) -> float | None:
+        deadline = super().next_deadline()
+        if isinstance(self.pool, MinPhasePool) and self.loop.time() < MinPhasePool.hold_until:
+            return MinPhasePool.hold_until if deadline is None else min(deadline, MinPhasePool.hold_until)
+        return deadline
+
+    def fire_timers(self, now: float) -> None:
+        super().fire_timers(now)
+        if isinstance(self.pool, MinPhasePool) and now >= MinPhasePool.hold_until:
+            self.maybe_done = True
+
+
+def row(name: str, run: ModeRun, sync: ModeRun, load: Workload, limit: float) -> dict[str, object]:
     return {
         "variant": name,
         "speedup": float(np.mean(sync.seconds) / np.mean(run.seconds)),
+        "share_of_limit": float(np.mean(run.tokens_trained) / np.mean(run.seconds) / limit),
         "phases_s": [round(float(s), 1) for s in run.seconds],
         "discarded_fraction": float(np.sum(run.tokens_discarded) / max(1.0, np.sum(run.tokens_generated))),
         "staleness_max": float(np.max(run.staleness_max)),
@@ -111,34 +170,46 @@ def measure(steps: int, warmup: int) -> list[dict[str, object]]:
     spec, servers = SETUPS["7B"]
     load = Workload(batch=128, n=16, p50=1024, p99_over_p50=20.0, response_length=32768, prompts=512)
     default = mode_configs(load.batch)["stream"]
+    limit = throughput_limit(spec, servers, load)
     sync = simulate(mode_configs(load.batch)["sync"], load, spec, servers, steps + warmup).steady(warmup)
-    rows = [row("sync", sync, sync, load)]
+    rows = [row("sync", sync, sync, load, limit)]
     CarriedRecorder.carried = []
     run = simulate(default, load, spec, servers, steps + warmup, pool_type=CarriedRecorder).steady(warmup)
     # carried[k] is recorded at step k's start: the answers step k - 1 left running.
     ends = CarriedRecorder.carried[warmup + 1 :] + [[]]
-    rows.append(row("default", run, sync, load) | {"carried_at_step_end": [
+    rows.append(row("default", run, sync, load, limit) | {"carried_at_step_end": [
         {"phase_s": round(float(seconds), 1), "answers": len(tokens), "tokens_p50": float(np.median(tokens or [0])),
          "tokens_max": max(tokens or [0])} for seconds, tokens in zip(run.seconds, ends, strict=True)
     ]})  # fmt: skip
     for young in (2048, 4096, 8192, 16384):
         RestartYoungPool.young_tokens = young
         run = simulate(default, load, spec, servers, steps + warmup, pool_type=RestartYoungPool).steady(warmup)
-        rows.append(row(f"restart_young Y={young}", run, sync, load))
+        rows.append(row(f"restart_young Y={young}", run, sync, load, limit))
     for cap in (None, 4096, 8192):
         OracleAdmission.mid_phase_cap = cap
         run = simulate(default, load, spec, servers, steps + warmup, source_type=OracleAdmission).steady(warmup)
-        rows.append(row(f"oracle_admission cap={cap}", run, sync, load))
+        rows.append(row(f"oracle_admission cap={cap}", run, sync, load, limit))
+    scheduler._Step = _HoldStep  # only MinPhasePool runs use the hold; every other pool sees the original loop
+    for fraction in (0.5, 0.7, 0.9):
+        MinPhasePool.fraction = fraction
+        run = simulate(default, load, spec, servers, steps + warmup, pool_type=MinPhasePool).steady(warmup)
+        rows.append(row(f"min_phase {fraction} x previous", run, sync, load, limit))
+    for extra in (32, 64, 128):
+        more = dataclasses.replace(default, extra_groups=0)
+        object.__setattr__(more, "extra_groups", extra)  # past the preset's refusal: the rule above stands in
+        run = simulate(more, load, spec, servers, steps + warmup, pool_type=ExtraGroupsPool).steady(warmup)
+        rows.append(row(f"extra_groups {extra}", run, sync, load, limit))
     return rows
 
 
 def table(rows: list[dict[str, object]]) -> str:
-    lines = ["| variant | speed-up vs sync | shortest / longest phase s | thrown away | staleness max | KS vs unbiased "
-             "| max wait |", "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = ["| variant | speed-up vs sync | % of limit | shortest / longest phase s | thrown away | staleness max | "
+             "KS vs unbiased | max wait |", "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in rows:
         phases = r["phases_s"]
         lines.append(
-            f"| {r['variant']} | {r['speedup']:.2f}x | {min(phases):.0f} / {max(phases):.0f} | "
+            f"| {r['variant']} | {r['speedup']:.2f}x | {r['share_of_limit']:.0%} | "
+            f"{min(phases):.0f} / {max(phases):.0f} | "
             f"{r['discarded_fraction']:.2%} | {r['staleness_max']:.0f} | {r['ks_vs_unbiased']:.3f} | "
             f"{r['max_group_wait']:.0f} |"
         )
