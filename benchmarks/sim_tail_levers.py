@@ -34,6 +34,8 @@ from sim_gpu_projection import SETUPS  # the projection's setups (benchmarks/ is
 
 from verl_partial.core import scheduler
 from verl_partial.core.pool import RolloutPool
+from verl_partial.sim import run as simrun
+from verl_partial.sim.backend import SimBackend
 from verl_partial.sim.run import ModeRun, ks_distance, mode_configs, simulate, throughput_limit
 from verl_partial.sim.workload import PromptCycle, Workload
 
@@ -153,11 +155,28 @@ class _HoldStep(scheduler._Step):
             self.maybe_done = True
 
 
+class RecordingBackend(SimBackend):
+    """The simulated servers, kept so a run's mean decode batch can be read after it (warm-up steps included)."""
+
+    last: RecordingBackend | None = None
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        RecordingBackend.last = self
+
+    @classmethod
+    def running_per_step(cls) -> float:
+        engines = cls.last.engines.values() if cls.last else []
+        steps = sum(engine.stats.decode_steps for engine in engines)
+        return sum(engine.stats.tokens for engine in engines) / steps if steps else 0.0
+
+
 def row(name: str, run: ModeRun, sync: ModeRun, load: Workload, limit: float) -> dict[str, object]:
     return {
         "variant": name,
         "speedup": float(np.mean(sync.seconds) / np.mean(run.seconds)),
         "share_of_limit": float(np.mean(run.tokens_trained) / np.mean(run.seconds) / limit),
+        "running_per_server_step": RecordingBackend.running_per_step(),
         "phases_s": [round(float(s), 1) for s in run.seconds],
         "discarded_fraction": float(np.sum(run.tokens_discarded) / max(1.0, np.sum(run.tokens_generated))),
         "staleness_max": float(np.max(run.staleness_max)),
@@ -171,6 +190,7 @@ def measure(steps: int, warmup: int) -> list[dict[str, object]]:
     load = Workload(batch=128, n=16, p50=1024, p99_over_p50=20.0, response_length=32768, prompts=512)
     default = mode_configs(load.batch)["stream"]
     limit = throughput_limit(spec, servers, load)
+    simrun.SimBackend = RecordingBackend  # the same servers, kept for the decode-batch column
     sync = simulate(mode_configs(load.batch)["sync"], load, spec, servers, steps + warmup).steady(warmup)
     rows = [row("sync", sync, sync, load, limit)]
     CarriedRecorder.carried = []
@@ -203,12 +223,14 @@ def measure(steps: int, warmup: int) -> list[dict[str, object]]:
 
 
 def table(rows: list[dict[str, object]]) -> str:
-    lines = ["| variant | speed-up vs sync | % of limit | shortest / longest phase s | thrown away | staleness max | "
-             "KS vs unbiased | max wait |", "|---|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    lines = ["| variant | speed-up vs sync | % of limit | answers decoded per server step | shortest / longest "
+             "phase s | thrown away | staleness max | KS vs unbiased | max wait |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for r in rows:
         phases = r["phases_s"]
         lines.append(
             f"| {r['variant']} | {r['speedup']:.2f}x | {r['share_of_limit']:.0%} | "
+            f"{r['running_per_server_step']:.0f} | "
             f"{min(phases):.0f} / {max(phases):.0f} | "
             f"{r['discarded_fraction']:.2%} | {r['staleness_max']:.0f} | {r['ks_vs_unbiased']:.3f} | "
             f"{r['max_group_wait']:.0f} |"
