@@ -575,9 +575,9 @@ def tables(results: dict[str, Any]) -> str:
             floors = step_floors(rates) if rates else []
         if sync_run and inside:
             by_stretch = ", ".join(
-                f"{ceiling(sync_run, sync_run, wl, trainer_floors(runs, k), 1):.2f}x ({k})"
+                f"{ceiling(sync_run, sync_run, wl, stretch_floors, 1):.2f}x ({k})"
                 for k in STRETCH_LENGTHS
-                if trainer_floors(runs, k)
+                if (stretch_floors := trainer_floors(runs, k))
             )
             ceilings.append(
                 f"{engine}: {by_stretch}, with the floor under every stretch of (n) consecutive engine steps inside "
