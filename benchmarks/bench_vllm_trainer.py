@@ -39,6 +39,7 @@ import argparse
 import dataclasses
 import datetime as _dt
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -147,27 +148,34 @@ def worker_setup() -> None:
 
 
 def record_engine_steps(folder: Path) -> None:
-    """Append every vLLM engine step's output time and decoded tokens to ``folder/<pid>.jsonl``.
+    """Append every vLLM engine step to ``folder/<pid>.jsonl``: ``[engine-core stamp, tokens decoded, prompt tokens
+    prefilled, output-loop stamp]``.
 
-    vLLM's own per-step statistics (``IterationStats``, one per engine-core output) reach its stat-logger manager
-    when ``rollout.disable_log_stats=false``; consecutive timestamps of a busy engine are its step times inside the
-    trainer, where the standalone curve (:func:`peak`) cannot see the processes it shares the cores with.
+    The engine core stamps each step's outputs as it builds them, right after the model ran (``EngineCoreOutputs``'
+    monotonic ``timestamp``), so consecutive stamps of a busy engine are its true step times inside the trainer,
+    where the standalone curve (:func:`peak`) cannot see the processes it shares the cores with. The output loop
+    (``IterationStats``, when ``rollout.disable_log_stats=false``) stamps the same step later, when the server's
+    event loop gets to it: kept beside it to show what that delay does to single steps.
     """
-    from vllm.v1.metrics import loggers
+    from vllm.v1.engine.output_processor import OutputProcessor
 
-    record = loggers.StatLoggerManager.record
+    process_outputs = OutputProcessor.process_outputs
+    expected = ["self", "engine_core_outputs", "engine_core_timestamp", "iteration_stats"]
+    if list(inspect.signature(process_outputs).parameters) != expected:
+        raise RuntimeError(f"vLLM's OutputProcessor.process_outputs is no longer {expected}: the engine-step record "
+                           "needs updating for this vLLM")  # fmt: skip
     sink: list[Any] = []  # opened at the first step: only the engine processes of the job write a file
 
-    def recording(self: Any, scheduler_stats: Any, iteration_stats: Any, *args: Any, **kwargs: Any) -> None:
-        if iteration_stats is not None:
+    def recording(self: Any, outputs: Any, core_stamp: float | None = None, stats: Any = None) -> Any:
+        processed = process_outputs(self, outputs, core_stamp, stats)
+        if stats is not None and core_stamp is not None:
             if not sink:
                 sink.append(open(folder / f"{os.getpid()}.jsonl", "a", buffering=1))  # noqa: SIM115 (process-long)
-            stats = iteration_stats
-            sink[0].write(json.dumps([stats.iteration_timestamp, stats.num_generation_tokens, stats.num_prompt_tokens]))
-            sink[0].write("\n")
-        record(self, scheduler_stats, iteration_stats, *args, **kwargs)
+            line = [core_stamp, stats.num_generation_tokens, stats.num_prompt_tokens, stats.iteration_timestamp]
+            sink[0].write(json.dumps(line) + "\n")
+        return processed
 
-    loggers.StatLoggerManager.record = recording
+    OutputProcessor.process_outputs = recording
 
 
 def install_partial_hook() -> None:
@@ -355,6 +363,7 @@ def run_one(
     run = {"engine": engine, "mode": mode, "returncode": code, "steps": {str(k): v for k, v in sorted(steps.items())}}
     if engine_steps:
         run["engine_steps"] = engine_step_phases(steps_dir)
+        run["engine_steps_output_loop"] = engine_step_phases(steps_dir, stamp=3)
     return run
 
 
@@ -368,13 +377,15 @@ STRETCH_LENGTHS = (1, 2, 4, STRETCH_STEPS, 64)  # the ceiling reported for sync'
 VLLM_CPU_BLOCK = 128  # tokens per KV block of vLLM's CPU build unless a block size is set (verl sets none)
 
 
-def engine_step_phases(folder: Path) -> list[list[list[float | None]]]:
+def engine_step_phases(folder: Path, stamp: int = 0) -> list[list[list[float | None]]]:
     """Rollout phases of the steps recorded by :func:`record_engine_steps`, each a list of ``[seconds since the
-    previous output (None for a phase's first), tokens decoded, prompt tokens prefilled]``."""
+    previous step (None for a phase's first), tokens decoded, prompt tokens prefilled]``; ``stamp``: 0 times steps
+    by the engine core's stamps, 3 by the output loop's."""
     phases: list[list[list[float | None]]] = []
     for path in sorted(folder.glob("*.jsonl")):
         before = None
-        for at, decoded, prefilled in (json.loads(line) for line in path.read_text().splitlines()):
+        for record in (json.loads(line) for line in path.read_text().splitlines()):
+            at, decoded, prefilled = record[stamp], record[1], record[2]
             gap = None if before is None or at - before > PHASE_GAP_S else round(at - before, 6)
             if gap is None:
                 phases.append([])
@@ -574,14 +585,23 @@ def tables(results: dict[str, Any]) -> str:
         else:
             floors = step_floors(rates) if rates else []
         if sync_run and inside:
-            by_stretch = ", ".join(
-                f"{ceiling(sync_run, sync_run, wl, stretch_floors, 1):.2f}x ({k})"
-                for k in STRETCH_LENGTHS
-                if (stretch_floors := trainer_floors(runs, k))
-            )
-            ceilings.append(
-                f"{engine}: {by_stretch}, with the floor under every stretch of (n) consecutive engine steps inside "
-                f"the trainer; the run's column uses {STRETCH_STEPS}"
+            core_stamped = all("engine_steps_output_loop" in run for run in runs)
+            stamps = {"the engine core's stamps": runs}
+            if core_stamped:
+                stamps["the output loop's"] = [{**run, "engine_steps": run["engine_steps_output_loop"]} for run in runs]
+            for stamp, stamped in stamps.items():
+                by_stretch = ", ".join(
+                    f"{ceiling(sync_run, sync_run, wl, stretch_floors, 1):.2f}x ({k})"
+                    for k in STRETCH_LENGTHS
+                    if (stretch_floors := trainer_floors(stamped, k))
+                )
+                timed_by = stamp if core_stamped else "the output loop's stamps"
+                ceilings.append(
+                    f"{engine}, steps timed by {timed_by}: {by_stretch}, with the floor under every stretch of (n) "
+                    f"consecutive engine steps inside the trainer"
+                )
+            ceilings[-1] += f"; the run's column uses {STRETCH_STEPS}" + (
+                ", timed by the engine core" if core_stamped else ""
             )
         elif sync_run and floors:
             ceilings.append(f"{engine}: {ceiling(sync_run, sync_run, wl, floors, 1):.2f}x (floor under its standalone "

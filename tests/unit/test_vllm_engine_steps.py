@@ -25,15 +25,16 @@ def bench():
         sys.path.remove(str(BENCHMARKS))
 
 
-def test_recorded_outputs_split_into_phases_and_no_token_outputs_join_the_step_before(bench, tmp_path):
+def test_recorded_steps_split_into_phases_and_no_token_outputs_join_the_step_before(bench, tmp_path):
+    # [engine-core stamp, decoded, prefilled, output-loop stamp]; the output loop reaches the third step 8 ms late.
     records = [
-        [100.0, 1, 31],  # a phase's first output: its step began before anything was recorded
-        [100.5, 64, 1917],
-        [100.524, 64, 0],
-        [100.5244, 0, 0],  # an abort notice stamped right after the step before: not a step
-        [100.534, 10, 0],
-        [130.0, 2, 60],  # 30 s later: the next rollout phase
-        [130.01, 2, 0],
+        [100.0, 1, 31, 900.0],  # a phase's first step: it began before anything was recorded
+        [100.5, 64, 1917, 900.5],
+        [100.524, 64, 0, 900.532],
+        [100.5244, 0, 0, 900.5324],  # an abort notice stamped right after the step before: not a step
+        [100.534, 10, 0, 900.534],
+        [130.0, 2, 60, 930.0],  # 30 s later: the next rollout phase
+        [130.01, 2, 0, 930.01],
     ]
     (tmp_path / "1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     phases = bench.engine_step_phases(tmp_path)
@@ -41,6 +42,8 @@ def test_recorded_outputs_split_into_phases_and_no_token_outputs_join_the_step_b
     assert phases[0][0][0] is None and phases[1][0][0] is None
     steps = bench._timed_steps(phases[0])
     np.testing.assert_allclose(steps, [[0.5, 64, 1917], [0.0244, 64, 0], [0.0096, 10, 0]], atol=1e-9)
+    late = bench._timed_steps(bench.engine_step_phases(tmp_path, stamp=3)[0])
+    np.testing.assert_allclose(late[:, 0], [0.5, 0.0324, 0.0016], atol=1e-9)  # the late stamp's next step "fast"
 
 
 @pytest.mark.parametrize("stretch", [1, 2, 4, 16])
