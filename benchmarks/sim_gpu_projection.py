@@ -31,8 +31,11 @@ from verl_partial.sim.workload import Workload
 NO_STALLS = {"request_timeout_s": 1e9}
 SETUPS = {"7B": (ServerSpec(H100_SXM, QWEN25_7B, tp=1), 8), "32B": (ServerSpec(H100_SXM, QWEN25_32B, tp=2), 4)}
 MODES = ("sync", "partial", "keep", "kimi", "on_policy", "on_policy_over", "keep_quarter", "stream")
-# The on-policy modes need one epoch (4 steps) of prompt history before their estimates exist.
-WARMUP = {"sync": 0, "on_policy": 4, "on_policy_over": 4}
+# Steps left out before a mode is measured: the partial modes start with an empty pool; the on-policy modes need
+# one epoch (4 steps) of prompt history before their estimates exist. Sync is measured over the same steps as each
+# mode it is compared with (its own row: the partial modes' steps).
+PARTIAL_WARMUP = 2
+WARMUP = {"on_policy": 4, "on_policy_over": 4}
 
 
 def projection(steps: int, step_overhead_s: float = 0.0) -> list[dict[str, object]]:
@@ -44,14 +47,19 @@ def projection(steps: int, step_overhead_s: float = 0.0) -> list[dict[str, objec
             limit = throughput_limit(spec, servers, load)
             configs = mode_configs(load.batch)
             configs["keep_quarter"] = PartialConfig(staleness_policy="keep", extra_groups=load.batch // 4, **NO_STALLS)
-            runs = {}
+            sync_run = simulate(configs["sync"], load, spec, servers, steps + max(WARMUP.values()))
             for mode in MODES:
-                warmup = WARMUP.get(mode, 2)
-                runs[mode] = simulate(configs[mode], load, spec, servers, steps + warmup).steady(warmup)
-                row = summarize(runs[mode], runs["sync"], load, limit)
+                warmup = WARMUP.get(mode, PARTIAL_WARMUP)
+                sync = sync_run.steady(warmup, steps)
+                if mode == "sync":
+                    run = sync
+                else:
+                    run = simulate(configs[mode], load, spec, servers, steps + warmup).steady(warmup)
+                row = summarize(run, sync, load, limit)
                 # What this run trained, at its staleness; and sync's (unbiased) batches at staleness 1.
-                row["ceiling_at_its_staleness"] = ceiling(runs["sync"], runs[mode], load, spec, servers)
-                row["ceiling_at_staleness_1"] = ceiling(runs["sync"], runs["sync"], load, spec, servers, 1)
+                row["ceiling_at_its_staleness"] = ceiling(sync, run, load, spec, servers)
+                row["ceiling_at_staleness_1"] = ceiling(sync, sync, load, spec, servers, 1)
+                row["measured_steps"] = [warmup, warmup + steps]
                 rows.append({"model": size, "tail": tail, "mode": mode, "limit_tokens_per_s": limit, **row})
                 print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -63,7 +71,7 @@ def bias_sweep(steps: int, batch: int) -> list[dict[str, object]]:
     spec = SETUPS["7B"][0]
     load = Workload(batch=batch, n=16, p50=1024, p99_over_p50=20.0, response_length=32768, prompts=4096)
     limit = throughput_limit(spec, 1, load)
-    sync = simulate(PartialConfig(extra_groups=0, **NO_STALLS), load, spec, 1, steps)
+    sync = simulate(PartialConfig(extra_groups=0, **NO_STALLS), load, spec, 1, steps + 4).steady(4)
     rows = [{"policy": "sync", "extra_groups": 0, **summarize(sync, sync, load, limit)}]
     print(json.dumps(rows[-1]), flush=True)
     sweep = [

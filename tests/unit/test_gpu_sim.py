@@ -199,6 +199,20 @@ def test_real_scheduler_on_the_gpu_model_cuts_the_tail_and_keeps_lengths_unbiase
     assert all(len(lengths) == 8 * 4 for lengths in keep.trained_lengths)
 
 
+def test_on_policy_trains_syncs_answers_and_equals_it_when_nothing_queues():
+    # The projection's on_policy row is an exact comparison only if, over the same steps, it trains exactly sync's
+    # answers; where every request runs at once (max_num_seqs >= requests) the launch order cannot matter either.
+    spec = ServerSpec(H100_SXM, QWEN25_7B)
+    load = Workload(batch=8, n=4, p50=200, p99_over_p50=20, response_length=8_192, prompts=16)
+    configs = mode_configs(load.batch)
+    sync = simulate(configs["sync"], load, spec, servers=1, steps=5).steady(2, 3)
+    on_policy = simulate(configs["on_policy"], load, spec, servers=1, steps=5).steady(2)
+    assert len(sync.seconds) == len(on_policy.seconds) == 3
+    for ours, theirs in zip(on_policy.trained_lengths, sync.trained_lengths, strict=True):
+        np.testing.assert_array_equal(np.sort(ours), np.sort(theirs))
+    np.testing.assert_allclose(on_policy.seconds, sync.seconds, rtol=1e-9)
+
+
 def test_simulate_command_prints_one_row_per_mode(capsys):
     main(
         [

@@ -69,9 +69,14 @@ class ModeRun:
     prefill_tokens: int = 0
     preemptions: int = 0
 
-    def steady(self, warmup: int) -> ModeRun:
-        """The records after the first ``warmup`` steps (the pool starts empty)."""
-        cut = {f.name: getattr(self, f.name)[warmup:] for f in dataclasses.fields(self) if f.name[0] != "p"}
+    def steady(self, warmup: int, steps: int | None = None) -> ModeRun:
+        """The records of ``steps`` steps (default: all) after the first ``warmup`` (the pool starts empty).
+
+        A mode and sync must be compared over the same steps: with a prompt set a few batches long, a step's
+        length depends on which prompts it draws, and sync's phases differ by up to 2.5x from one step to the next.
+        """
+        end = None if steps is None else warmup + steps
+        cut = {f.name: getattr(self, f.name)[warmup:end] for f in dataclasses.fields(self) if f.name[0] != "p"}
         return ModeRun(**cut, prefill_tokens=self.prefill_tokens, preemptions=self.preemptions)
 
     @property
