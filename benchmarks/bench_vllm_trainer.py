@@ -218,6 +218,9 @@ class Workload:
     train_rows: int = 512
     micro_batch: int = 8
     max_prompt_length: int = 64
+    # Engine slots (rollout.max_num_seqs). With fewer slots than samples requests queue in the engine, the only
+    # regime where the on-policy mode's launch order can matter.
+    slots: int = 64
     lengths: Lengths = dataclasses.field(default_factory=Lengths)
 
 
@@ -293,7 +296,7 @@ def trainer_overrides(
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={mb}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={mb}",
         f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={mb}",
-        "actor_rollout_ref.rollout.max_num_seqs=64",
+        f"actor_rollout_ref.rollout.max_num_seqs={wl.slots}",
         "trainer.test_freq=-1",
         "trainer.save_freq=-1",
         "trainer.logger=[console,file]",
@@ -665,7 +668,8 @@ def header(results: dict[str, Any]) -> str:
         f"Commands: {commands}. Model: random Qwen2, hidden {wl['hidden_size']}, {wl['num_layers']} "
         f"layers, {wl['num_heads']} heads / {wl['num_kv_heads']} KV heads (head size 64), MLP "
         f"{wl['intermediate_size']}, {results['parameters'] / 1e6:.1f} M parameters, fp32. Step: {wl['prompts']} "
-        f"prompts x n = {wl['n']} = {wl['prompts'] * wl['n']} samples, 64 engine slots, {wl['steps']} steps per run, "
+        f"prompts x n = {wl['n']} = {wl['prompts'] * wl['n']} samples, {wl.get('slots', 64)} engine slots, "
+        f"{wl['train_rows']} prompts in the data set, {wl['steps']} steps per run, "
         f"steps >= {wl['first_measured']} measured. Lengths: lognormal(median {wl['lengths']['median']:g}, sigma "
         f"{wl['lengths']['sigma']:g}) capped at {wl['lengths']['cap']}, imposed (ignore_eos + per-sample target)."
     )
@@ -755,7 +759,7 @@ def measure_peak(engine: str, model_dir: Path, tokens: int) -> dict[str, float]:
 def measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     """Every (engine, mode) run in turn, modes round-robin; the JSON is rewritten after each run."""
     started = time.time()
-    wl = Workload(steps=args.steps)
+    wl = Workload(steps=args.steps, slots=args.slots, train_rows=args.train_rows)
     paths = build_assets(args.work_dir / "assets", wl)
     command = "python benchmarks/bench_vllm_trainer.py " + " ".join(argv if argv is not None else sys.argv[1:])
     kept: list[dict[str, Any]] = []
@@ -799,6 +803,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated: cpu_vllm,cpu")
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, of {list(MODES)}")
     parser.add_argument("--steps", type=int, default=Workload.steps)
+    parser.add_argument("--slots", type=int, default=Workload.slots, help="engine slots (rollout.max_num_seqs)")
+    parser.add_argument(
+        "--train-rows", type=int, default=Workload.train_rows, help="prompts in the data set (an epoch is rows / 16)"
+    )
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/verl_partial_bench_vllm_trainer"))
     parser.add_argument("--json", type=Path, help="write (or with --from-json read) the results here")
     parser.add_argument("--from-json", type=Path, nargs="+", help="re-render stored results (runs merged), run nothing")
