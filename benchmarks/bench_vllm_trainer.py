@@ -426,8 +426,9 @@ def trainer_step_seconds(runs: list[dict[str, Any]]) -> dict[int, list[float]]:
 
 def stretch_points(runs: list[dict[str, Any]], steps: int) -> list[tuple[float, float, float]]:
     """``(mean tokens decoded, mean prompt tokens prefilled, mean seconds)`` of every stretch of ``steps``
-    consecutive engine steps inside the trainer. vLLM stamps a step when its output is processed, so one step can
-    look fast because the one before it was stamped late; over a stretch that error is divided by ``steps``."""
+    consecutive engine steps inside the trainer. Timed by the output loop's stamps (runs recorded before the engine
+    core's were read), one step can look fast because the one before it was stamped late; over a stretch that error
+    is divided by ``steps``."""
     points: list[tuple[float, float, float]] = []
     for run in runs:
         for phase in run.get("engine_steps", []):
@@ -588,24 +589,23 @@ def tables(results: dict[str, Any]) -> str:
         else:
             floors = step_floors(rates) if rates else []
         if sync_run and inside:
-            core_stamped = all("engine_steps_output_loop" in run for run in runs)
-            stamps = {"the engine core's stamps": runs}
-            if core_stamped:
-                stamps["the output loop's"] = [{**run, "engine_steps": run["engine_steps_output_loop"]} for run in runs]
-            for stamp, stamped in stamps.items():
+            # Runs recorded before the engine core's stamps were read hold the output loop's stamps only.
+            if all("engine_steps_output_loop" in run for run in runs):
+                loop = [{**run, "engine_steps": run["engine_steps_output_loop"]} for run in runs]
+                stamps = {"the engine core's stamps": runs, "the output loop's stamps": loop}
+            else:
+                stamps = {"the output loop's stamps": runs}
+            for timed_by, stamped in stamps.items():
                 by_stretch = ", ".join(
                     f"{ceiling(sync_run, sync_run, wl, stretch_floors, 1):.2f}x ({k})"
                     for k in STRETCH_LENGTHS
                     if (stretch_floors := trainer_floors(stamped, k))
                 )
-                timed_by = stamp if core_stamped else "the output loop's stamps"
                 ceilings.append(
                     f"{engine}, steps timed by {timed_by}: {by_stretch}, with the floor under every stretch of (n) "
                     f"consecutive engine steps inside the trainer"
                 )
-            ceilings[-1] += f"; the run's column uses {STRETCH_STEPS}" + (
-                ", timed by the engine core" if core_stamped else ""
-            )
+            ceilings[-1] += f"; the run's column uses {STRETCH_STEPS}, timed by {next(iter(stamps))}"
         elif sync_run and floors:
             ceilings.append(f"{engine}: {ceiling(sync_run, sync_run, wl, floors, 1):.2f}x (floor under its standalone "
                             "curve)")  # fmt: skip
@@ -646,9 +646,8 @@ def tables(results: dict[str, Any]) -> str:
             "Ceiling: the highest speed-up over sync's rollout phase any scheduler could reach training that run's "
             "batches at its staleness, with every engine step at least the floor under the measured step times "
             "(verl_partial/sim/bound.py; every trained prompt prefilled once where the floor prices prefill, "
-            "re-prefill and the time outside the engine left out, so it is generous). "
-            "For sync's own "
-            "batches at staleness <= 1: " + ("; ".join(ceilings) or "not measured") + ".",
+            "re-prefill and the time outside the engine left out, so it is generous). For sync's own batches at "
+            "staleness <= 1: " + ("; ".join(ceilings) or "not measured") + ".",
             "",
             *trainer_steps,
             "verl's `timing_s/gen` of every step (step 1 is warm-up):",

@@ -36,6 +36,7 @@ MODES = ("sync", "partial", "keep", "kimi", "on_policy", "on_policy_over", "keep
 # mode it is compared with (its own row: the partial modes' steps).
 PARTIAL_WARMUP = 2
 WARMUP = {"on_policy": 4, "on_policy_over": 4}
+BIAS_WARMUP = 4  # the length-bias sweep: every policy and sync over the same steps after these
 
 
 def projection(steps: int, step_overhead_s: float = 0.0) -> list[dict[str, object]]:
@@ -71,7 +72,7 @@ def bias_sweep(steps: int, batch: int) -> list[dict[str, object]]:
     spec = SETUPS["7B"][0]
     load = Workload(batch=batch, n=16, p50=1024, p99_over_p50=20.0, response_length=32768, prompts=4096)
     limit = throughput_limit(spec, 1, load)
-    sync = simulate(PartialConfig(extra_groups=0, **NO_STALLS), load, spec, 1, steps + 4).steady(4)
+    sync = simulate(PartialConfig(extra_groups=0, **NO_STALLS), load, spec, 1, steps + BIAS_WARMUP).steady(BIAS_WARMUP)
     rows = [{"policy": "sync", "extra_groups": 0, **summarize(sync, sync, load, limit)}]
     print(json.dumps(rows[-1]), flush=True)
     sweep = [
@@ -81,7 +82,7 @@ def bias_sweep(steps: int, batch: int) -> list[dict[str, object]]:
     ]
     for policy, extra, refill in [*sweep, ("wait", 0, True)]:
         config = PartialConfig(extra_groups=extra, staleness_policy=policy, refill=refill, **NO_STALLS)
-        run = simulate(config, load, spec, 1, steps + 4).steady(4)
+        run = simulate(config, load, spec, 1, steps + BIAS_WARMUP).steady(BIAS_WARMUP)
         name = f"{policy} + refill" if refill else policy
         rows.append({"policy": name, "extra_groups": extra, **summarize(run, sync, load, limit)})
         print(json.dumps(rows[-1]), flush=True)
