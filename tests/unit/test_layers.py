@@ -1,0 +1,60 @@
+"""The layer rules, checked on every module of ``verl_partial/core/`` (README, "Layout").
+
+``core/`` holds the algorithms: it must import without verl, Ray or anything above it in this package, so the
+scheduler, pool and balancer run (and are tested) without a trainer, and ``verl-partial simulate`` runs after a plain
+``pip install``. torch is kept to the tensor side named in :data:`TORCH_ALLOWED`. The module list comes from the
+directory, so a new core module (or subpackage) is covered without editing this file.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CORE = REPO / "verl_partial" / "core"
+FORBIDDEN = ("verl", "ray", "torch")
+# The tensor side of the correction (token lags and masks over verl's batch tensors): torch, still no verl.
+TORCH_ALLOWED = frozenset({"verl_partial.core.correction_math"})
+
+
+def core_modules() -> list[str]:
+    """Every module under core/, subpackages included, as dotted names."""
+    names = []
+    for path in sorted(CORE.rglob("*.py")):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        names.append(".".join(parts[:-1] if parts[-1] == "__init__" else parts))
+    return names
+
+
+PROBE = """
+import sys
+before = set(sys.modules)
+import {module}
+loaded = sorted(set(sys.modules) - before)
+print("\\n".join(loaded))
+"""
+
+
+def test_the_listing_sees_the_core_modules():
+    modules = core_modules()
+    assert {"verl_partial.core", "verl_partial.core.scheduler", "verl_partial.core.pool"} <= set(modules)
+    assert TORCH_ALLOWED <= set(modules), "an allowance for a module that no longer exists"
+
+
+@pytest.mark.parametrize("module", core_modules())
+def test_core_module_imports_no_trainer_and_nothing_above_core(module: str):
+    # A fresh interpreter (in this one, other tests have long since imported verl and torch), run from the checkout
+    # so it is the checkout's core that is probed, as listed.
+    probe = subprocess.run(
+        [sys.executable, "-c", PROBE.format(module=module)], cwd=REPO, capture_output=True, text=True, check=True
+    )
+    loaded = probe.stdout.split()
+    forbidden = {f for f in FORBIDDEN if not (f == "torch" and module in TORCH_ALLOWED)}
+    pulled = sorted({name.split(".")[0] for name in loaded} & forbidden)
+    assert not pulled, f"{module} imports {pulled}"
+    above = [name for name in loaded if name.startswith("verl_partial.") and not name.startswith("verl_partial.core")]
+    assert not above, f"{module} imports upwards: {above}"
