@@ -21,6 +21,7 @@ from verl_partial.sim.backend import SimBackend
 from verl_partial.sim.bound import StepCostFloor, phase_floor
 from verl_partial.sim.clock import run_virtual
 from verl_partial.sim.engine import ServerSpec
+from verl_partial.sim.stats import ks_distance
 from verl_partial.sim.workload import PromptCycle, Workload
 
 # The simulated engine never hangs; stall detection (tested elsewhere) must not fire on a long answer.
@@ -140,15 +141,6 @@ def simulate(
         return record
 
     return run_virtual(main())
-
-
-def ks_distance(a: np.ndarray, b: np.ndarray) -> float:
-    """Two-sample Kolmogorov-Smirnov statistic: the largest gap between the two empirical CDFs."""
-    a, b = np.sort(a), np.sort(b)
-    grid = np.concatenate([a, b])
-    return float(
-        np.max(np.abs(np.searchsorted(a, grid, "right") / len(a) - np.searchsorted(b, grid, "right") / len(b)))
-    )
 
 
 def throughput_limit(spec: ServerSpec, servers: int, workload: Workload) -> float:
