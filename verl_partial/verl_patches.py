@@ -68,6 +68,7 @@ def install() -> None:
         install_all_rejected_guard()
     _wrap_driver_entry()
     _wrap_trainer()
+    after_import(VLLM_SERVER_MODULE, _add_vllm_take_back)
 
 
 def install_failure_guard(error: BaseException) -> None:
@@ -383,6 +384,41 @@ def after_import(module_name: str, callback: Callable[[ModuleType], None]) -> No
         callback(sys.modules[module_name])
     else:
         sys.meta_path.insert(0, _AfterImport(module_name, callback))
+
+
+# ---------------------------------------------------------------------------------------------- vLLM server
+VLLM_SERVER_MODULE = "verl.workers.rollout.vllm_rollout.vllm_async_server"
+
+
+def _add_vllm_take_back(module: ModuleType) -> None:
+    """Give verl's ``vLLMHttpServer`` a per-request abort that works on vLLM 0.24 (issue 19, failures 1-2).
+
+    verl 0.9.1's own ``abort_request(request_id)`` looks the id up in ``engine.output_processor.request_states``,
+    which vLLM 0.24 keys by INTERNAL ids (the caller's id plus a random suffix, ``InputProcessor.assign_request_id``),
+    so it answers "not found" for every request. ``AsyncLLM.abort(ids)`` takes external ids: it ends each request
+    the engine holds, running or queued, with a final "abort" output carrying every token and log-prob so far, so
+    the waiting ``generate`` call returns them. A new method, called only by partial rollout: inert otherwise.
+    """
+    server_cls = module.vLLMHttpServer
+    if hasattr(server_cls, "take_back_requests"):
+        return
+
+    async def take_back_requests(self, request_ids: list[str]) -> list[str]:
+        """Abort these requests by the id their caller gave; returns those the engine held."""
+        if self.node_rank != 0:  # only node rank 0 owns the AsyncLLM (as verl's own abort methods)
+            return []
+        processor = self.engine.output_processor
+        if not hasattr(processor, "external_req_ids"):
+            raise UnsupportedVerlError(
+                "verl-partial's take-back needs vLLM's OutputProcessor.external_req_ids (vLLM 0.24); "
+                f"this vLLM lacks it: {type(processor).__module__}"
+            )
+        held = [request_id for request_id in request_ids if request_id in processor.external_req_ids]
+        if held:
+            await self.engine.abort(held)
+        return held
+
+    server_cls.take_back_requests = take_back_requests
 
 
 def _wrap_trainer() -> None:

@@ -82,6 +82,34 @@ def test_sglang_server_outputs(output, expected):
     assert _map(from_sglang, output, 3) is expected
 
 
+@pytest.mark.parametrize(
+    ("case", "output", "max_tokens", "expected"),
+    [
+        # 3a: the token SGLang decodes after an abort is an EOS; check_finished tests abort first, so it says "abort".
+        # Old mapping: ABORTED -> parked, resumed AFTER its EOS, and trained past it.
+        ("extra EOS at abort", TokenOutput(token_ids=[5, 151645], log_probs=[-1.0] * 2, stop_reason="abort"), 8,
+         Finish.EOS),
+        # 3b: the extra token is the last one allowed; "abort" again. Old mapping: ABORTED with no budget left.
+        ("extra last token at abort", TokenOutput(token_ids=[5, 6, 7], log_probs=[-1.0] * 3, stop_reason="abort"), 3,
+         Finish.LENGTH),
+        # 3c: an EOS that is a segment's last allowed token: length is tested before EOS, so "length".
+        # Old mapping: LENGTH -> with chunk_tokens or a step budget the sample resumed after its EOS.
+        ("EOS at the budget", TokenOutput(token_ids=[5, 151645], log_probs=[-1.0] * 2, stop_reason="length"), 2,
+         Finish.EOS),
+    ],
+)  # fmt: skip
+def test_sglang_reasons_that_hide_the_end_of_an_answer(case, output, max_tokens, expected):
+    """Issue 19, failure 3: the last token decides before SGLang's reason does."""
+    assert _map(from_sglang, output, max_tokens) is expected, case
+
+
+def test_a_vllm_abort_that_raced_an_eos_ends_the_answer():
+    """vLLM aborts without decoding more, but a request that sampled its EOS in the step the abort landed in comes
+    back "aborted" with the EOS last: resuming it would train tokens after the EOS."""
+    output = TokenOutput(token_ids=[5, 151645], log_probs=[-1.0] * 2, stop_reason="aborted")
+    assert _map(from_vllm, output, 8) is Finish.EOS
+
+
 def test_unknown_stop_reasons_are_refused_not_guessed():
     with pytest.raises(ValueError, match="unknown vLLM stop_reason 'stop'"):
         from_vllm("stop", [1], 4, EOS_IDS)
@@ -94,14 +122,30 @@ def test_unknown_stop_reasons_are_refused_not_guessed():
 def test_finished():
     assert finished(Finish.EOS, 3, 100) and finished(Finish.STOP, 3, 100)
     assert not finished(Finish.LENGTH, 99, 100) and finished(Finish.LENGTH, 100, 100)
-    assert not finished(Finish.ABORTED, 100, 100)
+    assert not finished(Finish.ABORTED, 99, 100)
+    # A sample holding its whole response_length has no budget left: it must be finished whatever the server said,
+    # or it could never run again (issue 19, 3b: under staleness_policy=wait the driver then spun forever).
+    assert finished(Finish.ABORTED, 100, 100)
 
 
 def test_max_model_len_too_small_is_refused():
     check_model_len(None, 1024, 16384)
     check_model_len(17408, 1024, 16384)
-    with pytest.raises(ValueError, match=r"actor_rollout_ref.rollout.max_model_len \(16384\) must be null or >= "):
+    with pytest.raises(ValueError, match=r"actor_rollout_ref.rollout.max_model_len \(16384\) must be >= "):
         check_model_len(16384, 1024, 16384)
+
+
+def test_a_null_max_model_len_is_checked_against_the_models_positions():
+    """Issue 19, failure 5: with verl's default ``max_model_len: null`` the servers use max_position_embeddings."""
+    check_model_len(None, 1024, 16384, max_position_embeddings=32768)
+    with pytest.raises(ValueError, match=r"the model's max_position_embeddings \(8192\)"):
+        check_model_len(None, 1024, 16384, max_position_embeddings=8192)
+    # SGLang caps new tokens at max_model_len - prompt - 1: one token more is needed than on vLLM.
+    check_model_len(None, 1024, 16384, max_position_embeddings=17408, rollout_name="vllm")
+    with pytest.raises(ValueError, match=r"\+ 1 \(SGLang keeps one token of context back\) = 17409"):
+        check_model_len(None, 1024, 16384, max_position_embeddings=17408, rollout_name="sglang")
+    # An explicit max_model_len wins over the model's positions, as on the servers.
+    check_model_len(17408, 1024, 16384, max_position_embeddings=2048)
 
 
 def test_mappers_take_numpy_token_arrays():

@@ -33,13 +33,12 @@ class Finish(str, Enum):
 
 def finished(finish: Finish, total_len: int, response_length: int) -> bool:
     """Whether a sample whose last segment ended with ``finish`` and which now holds ``total_len`` response
-    tokens is complete: EOS/STOP end it; LENGTH only once the whole ``response_length`` is used; ABORTED never
-    (the sample is parked and resumed)."""
+    tokens is complete: EOS/STOP end it; a sample that holds its whole ``response_length`` is complete whatever the
+    server said (SGLang may report the last allowed token of an aborted request as "abort": such a sample has no
+    budget left, so it could never run again -- issue 19, 3b); ABORTED otherwise never (parked and resumed)."""
     if finish in (Finish.EOS, Finish.STOP):
         return True
-    if finish is Finish.LENGTH:
-        return total_len >= response_length
-    return False
+    return total_len >= response_length
 
 
 def eos_id_set(*sources: int | Iterable[int] | None) -> frozenset[int]:
@@ -53,37 +52,46 @@ def eos_id_set(*sources: int | Iterable[int] | None) -> frozenset[int]:
     return frozenset(int(token) for token in ids)
 
 
+def _ends_on_eos(token_ids: Sequence[int], eos_ids: Collection[int]) -> bool:
+    return bool(len(token_ids)) and int(token_ids[-1]) in eos_ids
+
+
 def from_vllm(stop_reason: str | None, token_ids: Sequence[int], max_tokens: int, eos_ids: Collection[int]) -> Finish:
     """Map verl's vLLM server output (``TokenOutput.stop_reason``, ``token_ids``) for a call made with
     ``max_tokens`` to a :class:`Finish`.
 
-    ``"completed"`` covers both EOS and budget stops; the last token decides: an EOS id is an EOS even when the
-    segment is exactly ``max_tokens`` long; otherwise a segment shorter than ``max_tokens`` stopped on a stop
-    string (which vLLM removes from the output) and a full-length one hit its budget.
+    The last token decides before the reason does: an EOS id ends the answer even when the segment is exactly
+    ``max_tokens`` long or was aborted in the same engine step (resuming it would train tokens after its EOS).
+    ``"completed"`` covers both EOS and budget stops: a segment shorter than ``max_tokens`` stopped on a stop string
+    (which vLLM removes from the output), a full-length one hit its budget. ``"aborted"`` with the whole budget used
+    is a budget stop too.
     """
-    if stop_reason == "aborted":
-        return Finish.ABORTED
-    if stop_reason != "completed":
+    if stop_reason not in ("completed", "aborted"):
         raise ValueError(f"unknown vLLM stop_reason {stop_reason!r}; verl 0.9.1 reports 'completed' or 'aborted'")
-    if len(token_ids) and int(token_ids[-1]) in eos_ids:
+    if _ends_on_eos(token_ids, eos_ids):
         return Finish.EOS
-    if len(token_ids) < max_tokens:
-        return Finish.STOP
-    return Finish.LENGTH
+    if len(token_ids) >= max_tokens:
+        return Finish.LENGTH
+    return Finish.ABORTED if stop_reason == "aborted" else Finish.STOP
 
 
 def from_sglang(stop_reason: str | None, token_ids: Sequence[int], max_tokens: int, eos_ids: Collection[int]) -> Finish:
-    """Map verl's SGLang server output to a :class:`Finish`: ``"stop"`` is an EOS when the last token is an EOS
-    id, else a stop string; ``"length"`` and ``"abort"`` map one to one. ``max_tokens`` is unused (SGLang says
-    ``"length"`` itself) and kept so every engine's mapper has one signature."""
-    del max_tokens
-    if stop_reason == "abort":
-        return Finish.ABORTED
-    if stop_reason == "length":
+    """Map verl's SGLang server output to a :class:`Finish`.
+
+    SGLang 0.5.12 passes its finish type through, but the type does not say whether the model ended its answer:
+    at an abort every running request decodes one more token, and ``Req.check_finished``
+    (``sglang/srt/managers/schedule_batch.py``) tests abort before EOS and length, and length before EOS. So the
+    extra token may be an EOS (reported "abort"), or the last allowed token (reported "abort"), and an EOS that is a
+    segment's last allowed token is reported "length" (issue 19, failure 3). Hence the last token decides first,
+    then the budget, then the reason.
+    """
+    if stop_reason not in ("stop", "length", "abort"):
+        raise ValueError(f"unknown SGLang stop_reason {stop_reason!r}; SGLang reports 'stop', 'length' or 'abort'")
+    if _ends_on_eos(token_ids, eos_ids):
+        return Finish.EOS
+    if stop_reason == "length" or len(token_ids) >= max_tokens:
         return Finish.LENGTH
-    if stop_reason == "stop":
-        return Finish.EOS if len(token_ids) and int(token_ids[-1]) in eos_ids else Finish.STOP
-    raise ValueError(f"unknown SGLang stop_reason {stop_reason!r}; SGLang reports 'stop', 'length' or 'abort'")
+    return Finish.ABORTED if stop_reason == "abort" else Finish.STOP
 
 
 FinishMapper = Callable[[str | None, Sequence[int], int, Collection[int]], Finish]
@@ -103,15 +111,45 @@ def finish_mapper(rollout_name: str) -> FinishMapper:
     return mapper
 
 
-def check_model_len(max_model_len: int | None, prompt_length: int, response_length: int) -> None:
-    """Refuse a ``max_model_len`` too small for prompt + response.
+# Tokens of context a server keeps back beyond prompt + new tokens: SGLang caps new tokens at
+# ``max_model_len - prompt - 1`` (verl's ``SGLangHttpServer.generate``), vLLM at ``max_model_len - prompt``.
+_CONTEXT_RESERVE = {"sglang": 1}
 
-    verl clamps ``max_tokens`` to ``max_model_len - prompt`` without saying so; vLLM then reports a truncated
-    answer as ``"completed"`` and it would be trained as a finished one.
+
+def effective_model_len(max_model_len: int | None, max_position_embeddings: int | None) -> int | None:
+    """The context the servers will use: ``rollout.max_model_len``, or (verl's default ``null``) the model's
+    ``max_position_embeddings``, as vLLM and SGLang both fall back to."""
+    return max_model_len if max_model_len is not None else max_position_embeddings
+
+
+def check_model_len(
+    max_model_len: int | None,
+    prompt_length: int,
+    response_length: int,
+    *,
+    max_position_embeddings: int | None = None,
+    rollout_name: str = "vllm",
+) -> None:
+    """Refuse a context too small for prompt + response, including the ``null`` default (issue 19, failure 5).
+
+    verl clamps ``max_tokens`` to the room left without saying so. vLLM then reports a truncated answer as
+    ``"completed"``, which would be trained as a finished one; SGLang reports a 0-token ``"length"`` on every later
+    call of a sample that reached the cap, which never finishes it.
     """
-    if max_model_len is not None and max_model_len < prompt_length + response_length:
+    context = effective_model_len(max_model_len, max_position_embeddings)
+    if context is None:
+        return
+    needed = prompt_length + response_length + _CONTEXT_RESERVE.get(rollout_name, 0)
+    if context < needed:
+        source = (
+            f"actor_rollout_ref.rollout.max_model_len ({max_model_len})"
+            if max_model_len is not None
+            else f"the model's max_position_embeddings ({max_position_embeddings}), which the {rollout_name} "
+            "servers use when actor_rollout_ref.rollout.max_model_len is null"
+        )
+        reserve = " + 1 (SGLang keeps one token of context back)" if needed > prompt_length + response_length else ""
         raise ValueError(
-            f"actor_rollout_ref.rollout.max_model_len ({max_model_len}) must be null or >= "
-            f"data.max_prompt_length + data.max_response_length ({prompt_length} + {response_length}); "
-            "a smaller value silently truncates answers that partial rollout would train as finished"
+            f"{source} must be >= data.max_prompt_length + data.max_response_length ({prompt_length} + "
+            f"{response_length}{reserve} = {needed}); a smaller context silently truncates answers that partial "
+            "rollout would train as finished, or never finish"
         )

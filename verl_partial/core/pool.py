@@ -36,8 +36,34 @@ LOG_PROB_DTYPE = np.float32
 VERSION_DTYPE = np.int32
 
 
+# Request ids end with this character and hold it nowhere else, so no id is a prefix of another: SGLang's
+# per-request abort matches ids by prefix (``Scheduler.abort_request``: ``req.rid.startswith(recv_req.rid)``), and
+# ``key/0/1`` would otherwise also abort ``key/0/10``.
+REQUEST_ID_END = "#"
+# Bytes counted per Python scalar in a payload (a 64-bit value, as numpy or a checkpoint would store it).
+_SCALAR_BYTES = 8
+
+
 def _empty(dtype: type[np.generic]) -> np.ndarray:
     return np.zeros(0, dtype=dtype)
+
+
+def payload_nbytes(value: Any) -> int:
+    """Data bytes of a multi-turn payload (``Trajectory.state_dict()``): array bytes, UTF-8 text, 8 per scalar;
+    what a checkpoint of it stores, without Python's per-object overhead."""
+    if value is None:
+        return 0
+    if isinstance(value, np.ndarray):
+        return int(value.nbytes)
+    if isinstance(value, str):
+        return len(value.encode())
+    if isinstance(value, bytes):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(payload_nbytes(key) + payload_nbytes(item) for key, item in value.items())
+    if isinstance(value, (list, tuple)):
+        return sum(payload_nbytes(item) for item in value)
+    return _SCALAR_BYTES
 
 
 @dataclass
@@ -77,7 +103,9 @@ class SampleState:
 
     @property
     def nbytes(self) -> int:
-        return self.token_ids.nbytes + self.log_probs.nbytes + self.versions.nbytes
+        """Bytes of what parking this sample holds: its arrays plus a multi-turn payload's own copies (prompt and
+        response arrays, message text), which at production size are most of a parked conversation."""
+        return self.token_ids.nbytes + self.log_probs.nbytes + self.versions.nbytes + payload_nbytes(self.payload)
 
     def discard_tokens(self) -> int:
         thrown = len(self.token_ids)
@@ -164,6 +192,7 @@ class Counters:
     failed_groups: int = 0
     failed_calls: int = 0
     stalled_calls: int = 0
+    taken_back_calls: int = 0
     cancelled_calls: int = 0
     abandoned_calls: int = 0
     control_timeouts: int = 0
@@ -247,6 +276,8 @@ class RolloutPool(Generic[P]):
         return max(0, self.capacity - held)
 
     def admit(self, prompt: P, key: str) -> int:
+        if REQUEST_ID_END in key:
+            raise ValueError(f"group key {key!r} must not contain {REQUEST_ID_END!r}: request ids end with it")
         if self.free_slots() == 0:
             raise RuntimeError(f"pool is full ({len(self.groups)}/{self.capacity} groups); check free_slots() first")
         group_id = self.next_group_id
@@ -351,7 +382,7 @@ class RolloutPool(Generic[P]):
         if sample.last_server is not None and sample.last_server != server:
             self.count(route_changes=1)
         sample.last_server = server
-        request_id = f"{group.key}/{ref.index}/{sample.calls}"
+        request_id = f"{group.key}/{ref.index}/{sample.calls}{REQUEST_ID_END}"
         sample.calls += 1
         return SegmentRequest(ref, request_id, len(sample.token_ids), budget, server)
 
@@ -401,10 +432,11 @@ class RolloutPool(Generic[P]):
         sample.tokens_this_step += len(new_ids)
         if self.step not in sample.steps_touched:
             sample.steps_touched.append(self.step)
-        sample.finish = result.finish
+        sample.finished = finished(result.finish, len(sample.token_ids), self.response_length)
+        # A sample holding its whole response_length ended on its budget, whatever the server called it.
+        sample.finish = result.finish if result.finish is not Finish.ABORTED or not sample.finished else Finish.LENGTH
         if result.payload is not None:
             sample.payload = result.payload
-        sample.finished = finished(result.finish, len(sample.token_ids), self.response_length)
         if sample.finished:
             self.finished_lengths.append(len(sample.token_ids))
             if group.finished:
@@ -516,6 +548,7 @@ class RolloutPool(Generic[P]):
             "partial/failed_groups": float(self.counters.failed_groups),
             "partial/failed_calls": float(self.counters.failed_calls),
             "partial/stalled_calls": float(self.counters.stalled_calls),
+            "partial/taken_back_calls": float(self.counters.taken_back_calls),
             "partial/cancelled_calls": float(self.counters.cancelled_calls),
             "partial/abandoned_calls": float(self.counters.abandoned_calls),
             "partial/control_timeouts": float(self.counters.control_timeouts),

@@ -5,19 +5,27 @@ property tests drive with a simulated engine (random lengths, latencies, failure
 closed gates).
 
 Rules that keep a step from stalling and training from being biased (docs/partial-rollout.md, "Abort,
-timeouts and retries"):
+timeouts and retries"). They hold on what real servers do (verl 0.9.1 over vLLM 0.24 and SGLang 0.5.12): a
+cancelled call brings NOTHING back, vLLM's ``abort_all_requests`` first waits for every request queued in the
+engine to produce a first output, and SGLang keeps decoding a request whose call was cancelled.
 
-* **Step end.** Stop launching -> ``backend.abort_all()`` (closes every server's gate; running calls return
-  ABORTED with their tokens) -> await outstanding calls for ``partial.abort_grace_s`` -> whatever is still
-  pending sits at a gate or in transit: ``backend.cancel()`` it (not a failure) -> await at most
-  ``abort_grace_s`` more, then abandon what still has not answered -> ``backend.resume()``. A step end never
-  waits on ``request_timeout_s``.
+* **Giving up a call never loses its tokens.** A call is given up by taking it back: aborted at its server by
+  request id, so it answers ABORTED with every token it generated. Only a call that does not answer within
+  ``partial.abort_grace_s`` (its server hung, or it never reached the engine) is cancelled -- counted as
+  ``partial/cancelled_calls``, the only way tokens can be lost -- and abandoned after one more ``abort_grace_s``.
+* **Step end.** Stop launching -> ``backend.abort_all()`` starts (gates close, rejecting late arrivals; running
+  calls return ABORTED with their tokens) -> answers are recorded for ``abort_grace_s`` -> every call still out is
+  taken back: requests queued in an engine end (no tokens, nothing generated), which is what lets vLLM's abort
+  barrier pass, running ones return their tokens -> ``backend.resume()``, only once ``abort_all`` returned, so a
+  late pause can never land after the resume. A step end never waits on queued requests or ``request_timeout_s``.
 * **Stalls are judged by progress.** A server with calls outstanding that returns no result for
-  ``partial.request_timeout_s`` is stalled; its outstanding calls are cancelled at the server. A cancelled call
-  that brings tokens back was slow, not stuck: its tokens are kept and it counts as progress, so a long answer is
-  never failed for its length. Only a call that raised, was refused, or brought nothing back counts as a failure.
+  ``partial.request_timeout_s`` is stalled and its calls are taken back. A call that brings tokens back was slow,
+  not stuck: its tokens are kept and it counts as progress, so a long answer is never failed for its length and
+  nothing of it is regenerated. Only a call that raised, was refused, or brought nothing back counts as a failure.
 * **Retries.** Any result with tokens or a finish resets the sample's failure count; a group is taken out only
-  after ``max_retries`` retries of one sample failed in a row. Its other calls are cancelled at their servers.
+  after ``max_retries`` retries of one sample failed in a row. Its other calls are taken back; what they return is
+  counted in ``partial/tokens_discarded``.
+* **No busy loop.** Every turn of the step loop awaits an answer or a timer, or raises.
 """
 
 from __future__ import annotations
@@ -58,16 +66,23 @@ class SegmentBackend(Protocol[P]):
         in order, resolving with its :class:`SegmentResult` or failing. The glue turns a wave into one Ray call per
         AgentLoopWorker that streams results back as segments finish."""
 
+    async def take_back(self, requests: list[SegmentRequest]) -> None:
+        """Abort these calls AT THEIR SERVERS, by request id: a call its engine holds answers ABORTED with every
+        token generated so far (none while it was queued); a call the server does not hold yet (in transit, parked
+        at a gate) is not affected; a call not yet sent by the backend ends ABORTED without tokens."""
+
     async def cancel(self, requests: list[SegmentRequest]) -> None:
-        """Give up these calls: abort each AT ITS SERVER (nothing keeps generating); its future then resolves
-        (ABORTED, possibly with tokens) or fails."""
+        """Last resort for calls that did not answer a take-back: drop the call. Real engines return nothing to
+        a cancelled call (its future resolves ABORTED without tokens, or fails); the call must stop generating."""
 
     async def abort_all(self) -> None:
-        """Step end: close every server's gate (rejecting late arrivals where the engine can, vLLM's
-        ``abort_all_requests(reject_request=True)``); running calls return ABORTED with all their tokens so far."""
+        """Step end: close every server's gate, rejecting late arrivals (vLLM's
+        ``abort_all_requests(reject_request=True)``; SGLang through ``verl_partial.glue.sglang_server``); running
+        calls return ABORTED with all their tokens so far. May block while requests are queued in an engine (vLLM's
+        admission barrier) until those are taken back."""
 
     async def resume(self) -> None:
-        """Reopen the gates."""
+        """Reopen the gates (sent only after :meth:`abort_all` returned)."""
 
 
 class PromptSource(Protocol[P]):
@@ -90,8 +105,15 @@ class _Why(Enum):
     """Why the scheduler gave up a call; decides what its answer means."""
 
     STALLED = "stalled"  # its server made no progress: no tokens back is a failure
-    STEP_END = "step_end"  # parked at a gate or in transit at the step end: never a failure
-    ORPHAN = "orphan"  # its group was taken out: the answer is ignored
+    STEP_END = "step_end"  # still out at the step end: never a failure
+    ORPHAN = "orphan"  # its group was taken out: its tokens are counted as discarded
+
+
+class _Stage(Enum):
+    """How far giving up a call has gone (module docstring, "Giving up a call")."""
+
+    TAKEN_BACK = "taken_back"  # aborted at its server by request id: its tokens come back with its answer
+    CANCELLED = "cancelled"  # did not answer the take-back in time: dropped, whatever it generated is lost
 
 
 @dataclass
@@ -101,7 +123,8 @@ class _Call:
     future: asyncio.Future[SegmentResult]
     tokens: int  # routing work: prefix + new tokens
     given_up: _Why | None = None
-    given_up_at: float = 0.0
+    stage: _Stage | None = None
+    stage_at: float = 0.0  # when the current stage began (its grace runs from here)
 
 
 class _Step(Generic[P]):
@@ -127,7 +150,8 @@ class _Step(Generic[P]):
         self.maybe_done = True  # a group may have finished
         # Per server: when it last answered, or went from idle to busy (a stall clock runs only while busy).
         self.progress: dict[str, float] = dict.fromkeys(self.router.servers, self.loop.time())
-        self.cancels: set[asyncio.Task[None]] = set()
+        # Take-backs, cancels and the step-end abort run in the background: a hung server must not hang the loop.
+        self.controls: set[asyncio.Task[None]] = set()
         self.source_empty = False
         # Set once abort_all went out: from then on an empty ABORTED answer is the abort's, not a failure.
         self.aborted = False
@@ -191,6 +215,10 @@ class _Step(Generic[P]):
         self.forget(call)
         server, ref = call.request.server, call.request.ref
         if call.given_up is _Why.ORPHAN:
+            if not future.cancelled() and future.exception() is None:
+                # Its group is gone: whatever it generated is thrown away, and counted.
+                thrown = len(future.result().new_ids)
+                self.pool.count(tokens_generated=thrown, tokens_discarded=thrown)
             _consume(future)
             return
         ending = self.aborted or call.given_up is _Why.STEP_END
@@ -204,7 +232,10 @@ class _Step(Generic[P]):
         result = future.result()
         self.pool.check_server_version(result)
         self.progress[server] = self.loop.time()
-        if result.finish is not Finish.ABORTED or len(result.new_ids):
+        # A 0-token answer is progress only when it ends the call as asked (a multi-turn tool segment carries its
+        # new trajectory). A 0-token "stop"/"length" without one is a server that cannot extend the sample (e.g.
+        # SGLang at its context cap): counting it as progress would relaunch the sample forever.
+        if len(result.new_ids) or (result.finish is not Finish.ABORTED and result.payload is not None):
             # Tokens or a finish: progress, even from a call given up as stalled (slow is not stuck).
             self.router.answered(server)
             self.pool.finish_segment(ref, result)
@@ -215,10 +246,11 @@ class _Step(Generic[P]):
                 self.maybe_done = self.maybe_done or group.finished
             else:
                 self.launch_needed = True  # its next chunk
-        elif ending:
+        elif ending and result.finish is Finish.ABORTED:
             self.release(ref)
         else:
-            # Refused by a closed gate, or cancelled after a stall with nothing to show: a failure.
+            # Refused by a closed gate, given up after a stall with nothing to show, or a server that returns
+            # nothing while saying it finished: a failure.
             self.router.avoid(server)
             self.fail(ref)
 
@@ -233,26 +265,32 @@ class _Step(Generic[P]):
             self.give_up([c for c in self.calls.values() if c.request.ref.group_id == ref.group_id], _Why.ORPHAN)
 
     def give_up(self, calls: list[_Call], why: _Why) -> None:
-        """Cancel calls at their servers (in the background: a hung server must not hang the scheduler)."""
+        """Take calls back at their servers; their tokens come back with their answers."""
         fresh = [call for call in calls if call.given_up is None]
         now = self.loop.time()
         for call in fresh:
-            call.given_up, call.given_up_at = why, now
+            call.given_up, call.stage, call.stage_at = why, _Stage.TAKEN_BACK, now
             self.active[call.request.server] -= 1
             self.given_up[call.future] = call
         if not fresh:
             return
-        self.pool.count(**{"stalled_calls" if why is _Why.STALLED else "cancelled_calls": len(fresh)})
-        task = self.loop.create_task(self.backend.cancel([call.request for call in fresh]))
-        self.cancels.add(task)
-        task.add_done_callback(self.cancels.discard)
+        if why is _Why.STALLED:
+            self.pool.count(stalled_calls=len(fresh))
+        self.pool.count(taken_back_calls=len(fresh))
+        self.background(self.backend.take_back([call.request for call in fresh]))
+
+    def background(self, control: Awaitable[None]) -> asyncio.Task[None]:
+        task = self.loop.create_task(control)  # type: ignore[arg-type]
+        self.controls.add(task)
+        task.add_done_callback(self.controls.discard)
         task.add_done_callback(_consume)
+        return task
 
     # ------------------------------------------------------------ timers
     def next_deadline(self) -> float | None:
         """The earliest moment a rule fires: a busy server's stall deadline or a given-up call's grace end."""
         deadlines = [self.progress[server] + self.config.request_timeout_s for server in self.busy()]
-        deadlines += [call.given_up_at + self.config.abort_grace_s for call in self.given_up.values()]
+        deadlines += [call.stage_at + self.config.abort_grace_s for call in self.given_up.values()]
         return min(deadlines, default=None)
 
     def busy(self) -> list[str]:
@@ -264,8 +302,16 @@ class _Step(Generic[P]):
                 self.router.avoid(server)
                 self.progress[server] = now
                 self.give_up([c for c in self.calls.values() if c.request.server == server], _Why.STALLED)
-        for call in list(self.given_up.values()):
-            if now >= call.given_up_at + self.config.abort_grace_s:
+        unanswered = [c for c in self.given_up.values() if now >= c.stage_at + self.config.abort_grace_s]
+        cancel = [call for call in unanswered if call.stage is _Stage.TAKEN_BACK]
+        for call in cancel:
+            call.stage, call.stage_at = _Stage.CANCELLED, now
+        if cancel:
+            self.pool.count(cancelled_calls=len(cancel))
+            self.background(self.backend.cancel([call.request for call in cancel]))
+        cancelled_now = {id(call) for call in cancel}
+        for call in unanswered:
+            if id(call) not in cancelled_now:
                 self.abandon(call)
 
     def abandon(self, call: _Call) -> None:
@@ -306,7 +352,8 @@ class _Step(Generic[P]):
 
     # ------------------------------------------------------------ step end
     async def end(self) -> None:
-        """The step-end protocol (module docstring): no call is left generating, nothing waits on timeouts."""
+        """The step-end protocol (module docstring): nothing is left generating, nothing waits on queued requests or
+        timeouts, and the gates reopen only after the abort returned."""
         if not self.calls:
             return
         if not self.config.abort_on_done:
@@ -315,22 +362,23 @@ class _Step(Generic[P]):
                 await self.wait(None)
             return
         self.aborted = True
-        await self.control(self.backend.abort_all())
+        abort = self.background(self.backend.abort_all())
         now = self.loop.time()
         grace_end = now + self.config.abort_grace_s
         while self.calls and now < grace_end:
             now = await self.wait(grace_end - now)
+        # Whatever is still out is queued in an engine (holding vLLM's abort barrier), running behind that barrier,
+        # or in transit: taking it back ends the first two with their tokens; the gate refuses the third.
         self.give_up(list(self.calls.values()), _Why.STEP_END)
         while self.calls:
             await self.wait(None)
-        if self.cancels:
-            await asyncio.wait(list(self.cancels), timeout=self.config.abort_grace_s)
+        await self.settle(abort)
 
-    async def control(self, call: Awaitable[None]) -> None:
-        """Abort/resume, bounded by ``abort_grace_s``: a hung server's control call must not hang the step."""
-        try:
-            await asyncio.wait_for(call, self.config.abort_grace_s)
-        except asyncio.TimeoutError:
+    async def settle(self, control: asyncio.Task[None]) -> None:
+        """Wait for a control call (abort, take-back, cancel), bounded by ``abort_grace_s``: a hung server must not
+        hang the step. One that does not return in time is counted (``partial/control_timeouts``)."""
+        done, _ = await asyncio.wait([control], timeout=self.config.abort_grace_s)
+        if not done:
             self.pool.count(control_timeouts=1)
 
     def load_metrics(self) -> dict[str, float]:
@@ -380,6 +428,12 @@ async def run_step(
             if not state.calls:
                 if pool.needs_budget_round(can_admit=not state.source_empty):
                     pool.grant_budget_round()
+                    if not pool.runnable():
+                        # A grant that makes nothing runnable would loop here forever without awaiting anything.
+                        raise RuntimeError(
+                            f"step {step}: unfinished samples have no token budget left even after a budget round "
+                            "(a sample at response_length that is not finished); refusing to spin"
+                        )
                     state.launch_needed = True
                     continue
                 raise OutOfPrompts(
@@ -396,10 +450,10 @@ async def run_step(
             state.give_up(list(state.calls.values()), _Why.STEP_END)
             for call in list(state.calls.values()):
                 state.abandon(call)
-            if state.cancels:
-                await asyncio.wait(list(state.cancels), timeout=pool.config.abort_grace_s)
+        if state.controls:
+            await asyncio.wait(list(state.controls), timeout=pool.config.abort_grace_s)
         if pool.config.abort_on_done:
-            await state.control(backend.resume())
+            await state.settle(state.background(backend.resume()))
     trained = pool.take_ready()
     metrics = pool.step_metrics(trained) | state.load_metrics()
     metrics["partial/step_end_s"] = loop.time() - ended

@@ -1,21 +1,26 @@
-"""The one place where engine quirks live: how each rollout engine's servers answer, abort and cancel.
+"""The one place where engine quirks live: how each rollout engine's servers answer, abort and take calls back.
 
-verl 0.9.1 fronts three engines with the same server-actor interface, but they differ where partial rollout
-cares (read from ``verl/workers/rollout/``):
+verl 0.9.1 fronts its engines with the same server-actor interface, but they differ where partial rollout cares
+(read from ``verl/workers/rollout/`` and the engines' own code):
 
-* **vLLM** (``vllm_rollout/vllm_async_server.py``): ``stop_reason`` is ``"completed"`` for vLLM's ``stop`` and
-  ``length`` alike and ``"aborted"`` for ``abort``; ``abort_all_requests(reject_request=True)`` makes requests that
-  reach the closed gate return ``"aborted"`` at once instead of parking until ``resume_generation``. Cancelling
-  the Ray task of a ``generate`` call cancels its coroutine, and vLLM's ``AsyncLLM.generate`` aborts a request whose
-  consumer is cancelled, so nothing keeps generating.
-* **SGLang** (``sglang_rollout/async_sglang_server.py``): passes ``"stop"``/``"length"``/``"abort"`` through;
-  ``abort_all_requests`` ignores ``reject_request`` (late arrivals wait for ``resume_generation``), so the
-  scheduler's step end must cancel them (``partial.abort_grace_s``). The server has no per-request abort; a
-  cancelled ``generate`` coroutine is the only handle on one request.
-* **ours** (``verl_partial.cpu_backend``): reports exactly what verl's vLLM server reports, gate included.
+* **vLLM 0.24** (``vllm_rollout/vllm_async_server.py``): ``stop_reason`` is ``"completed"`` for vLLM's ``stop`` and
+  ``length`` alike, ``"aborted"`` for ``abort``. ``abort_all_requests(reject_request=True)`` closes a gate that
+  refuses late arrivals, but first waits (up to 60 s) until every request already admitted has produced a first
+  output, so requests queued behind ``max_num_seqs`` or a full KV cache hold it while the engine keeps decoding.
+  verl's per-request ``abort_request`` looks the request up by its external id in a table vLLM 0.24 keys by
+  internal ids, so it never finds one; :func:`verl_partial.verl_patches` adds ``take_back_requests``, which aborts
+  through ``AsyncLLM.abort`` by external id: the call returns ``"aborted"`` with every token so far. A Ray-cancelled
+  call returns nothing (``AsyncLLM.generate`` aborts the request on ``CancelledError``).
+* **SGLang 0.5.12** (``sglang_rollout/async_sglang_server.py``): passes ``"stop"``/``"length"``/``"abort"`` through,
+  and decodes one more token at an abort (:mod:`verl_partial.core.finish` reads the last token first). Its pause
+  gate parks late arrivals and its server has no per-request abort; a cancelled call keeps decoding.
+  :mod:`verl_partial.glue.sglang_server` adds a rejecting gate, ``take_back_requests`` and abort-on-cancel to verl's
+  SGLang server, so the step end is the same protocol as on vLLM. Control calls go to a replica's first server.
+* **ours** (``verl_partial.cpu_backend``): verl's vLLM server's behaviour, barrier included, with the same
+  ``take_back_requests``; ``+backend=cpu_sglang`` serves SGLang's.
 
-The finish mapping itself is :mod:`verl_partial.core.finish` (pure, unit-tested against each engine's output
-shapes); this module only selects it and the control calls by ``actor_rollout_ref.rollout.name``.
+The finish mapping itself is :mod:`verl_partial.core.finish`; this module selects it and the control calls by
+``actor_rollout_ref.rollout.name``.
 """
 
 from __future__ import annotations
@@ -27,30 +32,42 @@ from typing import Any
 
 from verl_partial.core.finish import FinishMapper, finish_mapper
 
+# The server method (ours, on every engine) that aborts calls by request id and lets them return their tokens.
+TAKE_BACK_METHOD = "take_back_requests"
+
 
 @dataclass(frozen=True)
 class EngineAdapter:
-    """What differs per engine: the stop-reason mapping and whether its gate can refuse late arrivals."""
+    """What differs per engine: the stop-reason mapping and which servers of a replica take control calls."""
 
     name: str
     finish: FinishMapper
-    # abort_all_requests(reject_request=True) refuses calls arriving at the closed gate (else they park there).
-    rejects_late_arrivals: bool
+
+    def control_servers(self, replica: Any) -> list[Any]:
+        """SGLang serves control calls on a replica's first server only (verl's ``SGLangReplica``); vLLM's other
+        nodes answer them as no-ops, so vLLM and ours take them on every server."""
+        return list(replica.servers[:1] if self.name == "sglang" else replica.servers)
 
     async def abort_all(self, replicas: Sequence[Any]) -> None:
-        """Close every replica's gate and end its running requests (they return ABORTED with their tokens)."""
+        """Close every gate, refusing late arrivals, and end running requests (they return their tokens)."""
         await asyncio.gather(
-            *[replica.abort_all_requests(reject_request=self.rejects_late_arrivals) for replica in replicas]
+            *[
+                server.abort_all_requests.remote(reject_request=True)
+                for replica in replicas
+                for server in self.control_servers(replica)
+            ]
         )
 
     async def resume(self, replicas: Sequence[Any]) -> None:
-        await asyncio.gather(*[replica.resume_generation() for replica in replicas])
+        await asyncio.gather(
+            *[server.resume_generation.remote() for replica in replicas for server in self.control_servers(replica)]
+        )
 
-
-_REJECTS_LATE_ARRIVALS = {"vllm": True, "sglang": False, "cpu": True}
+    async def take_back(self, server: Any, request_ids: list[str]) -> None:
+        """Abort these calls on ``server`` by request id; each then returns ABORTED with its tokens so far."""
+        await getattr(server, TAKE_BACK_METHOD).remote(request_ids)
 
 
 def engine_adapter(rollout_name: str) -> EngineAdapter:
     """The adapter for ``actor_rollout_ref.rollout.name``; an engine whose server code we have not read is refused."""
-    mapper = finish_mapper(rollout_name)  # raises, naming the key, for an unknown engine
-    return EngineAdapter(rollout_name, mapper, _REJECTS_LATE_ARRIVALS[rollout_name])
+    return EngineAdapter(rollout_name, finish_mapper(rollout_name))  # raises, naming the key, for an unknown engine

@@ -7,7 +7,8 @@ ids and reward call: ``_agent_loop_postprocess`` and ``_postprocess``). The driv
 * :meth:`PartialAgentLoopWorker.run_segments` takes one wave's calls for this worker in ONE Ray call and streams a
   compact :class:`SegmentAnswer` back per call as soon as it ends (a Ray streaming generator). Each call goes to
   the server the driver's router chose, by its actor handle, with the call's own request id, so
-  :meth:`cancel_segments` can cancel that very request at its server. A group's prompt is tokenised once (verl's
+  :meth:`take_back_segments` can abort that very request at its server (it returns its tokens), and
+  :meth:`cancel_segments` can drop it as a last resort. A group's prompt is tokenised once (verl's
   ``ct_build_initial_tokens``) and cached here until the driver has the ids.
 * :meth:`PartialAgentLoopWorker.hand_over` builds verl's padded rows and rewards for finished samples only, once,
   when their groups go to training.
@@ -131,9 +132,9 @@ class PartialAgentLoopWorker(AgentLoopWorker):
         )
         self.servers: dict[str, Any] = {}
         self.prompts: dict[str, asyncio.Future[np.ndarray]] = {}
-        # Per call of ours: its task here, and its server call once sent.
+        # Per call of ours: its task here, and its server call and that server's address once sent.
         self.tasks: dict[str, asyncio.Task[SegmentAnswer]] = {}
-        self.sent: dict[str, ray.ObjectRef] = {}
+        self.sent: dict[str, tuple[ray.ObjectRef, str]] = {}
         self.transit_delay_s = float(os.environ.get(TRANSIT_DELAY_ENV, "0") or 0)
         if self.transit_delay_s:
             logger.warning("%s=%s: calls are held in this worker before they are sent", TRANSIT_DELAY_ENV,
@@ -180,18 +181,38 @@ class PartialAgentLoopWorker(AgentLoopWorker):
             # The driver stopped listening (cancelled or failed): nothing of this wave may keep generating.
             self._cancel([call.request_id for call, task in zip(calls, tasks, strict=True) if not task.done()])
 
+    async def take_back_segments(self, request_ids: list[str]) -> None:
+        """Abort these calls at their servers by request id: each call its engine holds then answers ABORTED with its
+        tokens through its stream; a call not sent yet never will be (it answers ABORTED, empty). A call its server
+        does not hold yet (in transit) is not affected; the driver escalates to :meth:`cancel_segments`."""
+        by_server: dict[str, list[str]] = {}
+        for request_id in self._not_running_tools(request_ids):
+            sent = self.sent.get(request_id)
+            if sent is not None:
+                by_server.setdefault(sent[1], []).append(request_id)
+            elif request_id in self.tasks:
+                self.tasks[request_id].cancel()
+        await asyncio.gather(
+            *[self.engine.take_back(self.servers[server], ids) for server, ids in by_server.items()],
+            return_exceptions=True,  # a server that fails the take-back is handled by the driver's escalation
+        )
+
     async def cancel_segments(self, request_ids: list[str]) -> None:
-        """Cancel these calls at their servers; each then answers ABORTED (with no tokens) through its stream."""
+        """Drop these calls (last resort): each then answers ABORTED through its stream, with no tokens -- real
+        engines return nothing to a cancelled call."""
         self._cancel(request_ids)
 
+    def _not_running_tools(self, request_ids: list[str]) -> list[str]:
+        """Calls running tool calls are never interrupted: a tool that already ran would run again on resume."""
+        return [request_id for request_id in request_ids if request_id not in self.running_tools]
+
     def _cancel(self, request_ids: list[str]) -> None:
-        for request_id in request_ids:
-            if request_id in self.running_tools:
-                continue
-            ref = self.sent.get(request_id)
-            if ref is not None:
-                # Cancels the server's generate coroutine (vLLM's AsyncLLM and our engine abort the request).
-                ray.cancel(ref)
+        for request_id in self._not_running_tools(request_ids):
+            sent = self.sent.get(request_id)
+            if sent is not None:
+                # Cancels the server's generate coroutine (vLLM's AsyncLLM aborts the request; SGLang does through
+                # verl_partial.glue.sglang_server).
+                ray.cancel(sent[0])
             elif request_id in self.tasks:
                 self.tasks[request_id].cancel()  # not sent yet: it never will be
 
@@ -223,7 +244,7 @@ class PartialAgentLoopWorker(AgentLoopWorker):
             sampling_params={**sampling, "max_tokens": call.max_new_tokens},
             request_id=call.request_id,
         )
-        self.sent[call.request_id] = ref
+        self.sent[call.request_id] = (ref, call.server)
         output = await ref
         raw_ids = list(output.token_ids[: call.max_new_tokens])  # the server's own shape, as the mappers expect
         new_ids = np.asarray(raw_ids, dtype=TOKEN_DTYPE)
@@ -255,7 +276,7 @@ class PartialAgentLoopWorker(AgentLoopWorker):
             if server is None:
                 raise KeyError(f"no server at {call.server!r}; known: {sorted(self.servers)}")
             ref = server.generate.remote(prompt_ids=prompt_ids, sampling_params=params, request_id=call.request_id)
-            self.sent[call.request_id] = ref
+            self.sent[call.request_id] = (ref, call.server)
             return await ref
 
         if runs_tools(call.payload):

@@ -142,7 +142,7 @@ WORKER_MAX_CONCURRENCY = 100_000
 
 
 class WorkerSegmentBackend:
-    """The scheduler's backend (PROTOCOL: launch / cancel / abort_all / resume) over verl's AgentLoopWorkers.
+    """The scheduler's backend (launch / take_back / cancel / abort_all / resume) over verl's AgentLoopWorkers.
 
     A group's calls always go to the same worker (``group_id % workers``), so its prompt is tokenised once and a
     wave of new groups costs one Ray call per worker it touches. Results stream back per call
@@ -266,7 +266,19 @@ class WorkerSegmentBackend:
             )
         )
 
+    async def take_back(self, requests: list[SegmentRequest]) -> None:
+        await asyncio.gather(
+            *[self.workers[w].take_back_segments.remote(ids) for w, ids in self._sent_by_worker(requests).items()]
+        )
+
     async def cancel(self, requests: list[SegmentRequest]) -> None:
+        await asyncio.gather(
+            *[self.workers[w].cancel_segments.remote(ids) for w, ids in self._sent_by_worker(requests).items()]
+        )
+
+    def _sent_by_worker(self, requests: list[SegmentRequest]) -> dict[int, list[str]]:
+        """The calls among ``requests`` that went out, by worker (one Ray call per worker); calls still waiting for
+        their launch window are dropped here instead."""
         by_worker: dict[int, list[str]] = {}
         for request in requests:
             if self._drop_pending(request.request_id):
@@ -274,7 +286,7 @@ class WorkerSegmentBackend:
             sent = self.calls.get(request.request_id)
             if sent is not None:
                 by_worker.setdefault(sent[0], []).append(request.request_id)
-        await asyncio.gather(*[self.workers[w].cancel_segments.remote(ids) for w, ids in by_worker.items()])
+        return by_worker
 
     def _drop_pending(self, request_id: str) -> bool:
         """A call still waiting for its launch window is never sent: it ends ABORTED with no tokens."""
