@@ -40,6 +40,8 @@ class Router:
         self.max_calls_per_server = max_calls_per_server
         self.load = {server: ServerLoad() for server in self.servers}
         self.avoided: set[str] = set()
+        # The most calls one server had outstanding at once: above the engine's max_num_seqs, requests queued there.
+        self.peak_calls = 0
 
     def pick(self, tokens: int, sticky: str | None) -> str | None:
         """The server for a call of ``tokens`` work, or None when every candidate is at its cap.
@@ -58,6 +60,7 @@ class Router:
     def add(self, server: str, tokens: int) -> None:
         self.load[server].calls += 1
         self.load[server].tokens += tokens
+        self.peak_calls = max(self.peak_calls, self.load[server].calls)
 
     def remove(self, server: str, tokens: int) -> None:
         load = self.load[server]

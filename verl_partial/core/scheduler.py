@@ -388,6 +388,7 @@ class _Step(Generic[P]):
             "partial/server_load/tokens_max": float(max(tokens)),
             "partial/server_load/tokens_mean": float(mean),
             "partial/server_load/max_over_mean": max(tokens) / mean if mean else 1.0,
+            "partial/server_load/calls_max": float(self.router.peak_calls),
         }
 
 

