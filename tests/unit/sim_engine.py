@@ -1,75 +1,77 @@
-"""A simulated multi-server engine with verl's vLLM gate semantics, on a virtual clock, for the scheduler tests.
+"""A test double of verl 0.9.1's rollout servers with REAL-ENGINE semantics, on a virtual clock (issue 19).
 
 Each sample has a fixed target length drawn from a heavy-tailed distribution; token ids and log-probs are pure
-functions of (prompt, sample, position, version), so any lost, duplicated, re-granted or mis-versioned token is
-detectable. Servers behave like verl 0.9.1's ``vLLMHttpServer`` (``vllm_async_server.py``): ``abort_all`` closes a
-gate and aborts running calls (they return their tokens so far); a call arriving at a closed gate parks until
-``resume`` (or, when rejecting, returns "aborted" with no tokens); a parked call is admitted -- and generates --
-when the gate reopens, unless it was cancelled. Calls can be slow, fail, hang (abortable) and servers can die
-(answer nothing, not even aborts). Servers report either vLLM-shaped or SGLang-shaped stop reasons, mapped by the
-production mappers of ``verl_partial.core.finish``.
+functions of (prompt, sample, position, version), so any lost, duplicated, re-granted, mis-versioned or
+after-EOS token is detectable. What the double checks itself (resumed from a wrong prefix or after an EOS, a
+prefix match hitting another call, a resume that overtook an abort) goes to ``SimEngine.violations``; it is never
+raised into a call, where the scheduler would count it as an ordinary failure.
 
-The virtual clock (:class:`VirtualClockLoop`) jumps to the next timer whenever nothing is ready, so simulated
-minutes cost microseconds and a real stall (waiting on something that never comes) surfaces as an error.
+Each :class:`SimServer` speaks one engine (``engine="vllm"`` or ``"sglang"``), copied from the code that ships:
+
+vLLM 0.24 behind verl's ``vLLMHttpServer`` (``verl/workers/rollout/vllm_rollout/vllm_async_server.py``):
+  * ``max_num_seqs`` slots and a FIFO waiting queue;
+  * ``abort_all_requests``: closes the gate (``_park_until_admitted`` rejects late arrivals with "aborted" when
+    ``reject_request``, else parks them), then waits up to ``_GATE_BARRIER_TIMEOUT_S`` (60 s) while ``_admitting >
+    0`` -- ``_admitting`` falls at a request's first output or when its generator ends, so QUEUED requests hold
+    the barrier while running ones keep decoding -- then ``pause_generation`` aborts everything: running requests
+    return all their tokens, queued ones none; the engine stays paused until ``resume_generation``. A resume that
+    arrives while the barrier still waits is overtaken by the pause and leaves the engine paused (a violation);
+  * ``abort_request(request_id)``: a request the engine holds (queued or running) ends "aborted" with its tokens
+    so far (none if queued); anything else answers "not found" and is unaffected;
+  * a Ray-cancelled call: ``AsyncLLM.generate`` aborts the request on ``CancelledError``; the client gets nothing.
+
+SGLang 0.5.12 behind verl's ``SGLangHttpServer`` (``sglang/srt/managers/schedule_batch.py``, ``Req.check_finished``;
+``tokenizer_manager.py``):
+  * an abort (all or per request) lets each RUNNING request decode one more token; ``check_finished`` tests the
+    abort before length and length before EOS: the extra token may be an EOS or the last allowed token while the
+    reason says "abort", and an EOS that is the last allowed token says "length";
+  * ``pause_generation(mode="abort")`` parks late arrivals at ``is_pause_cond`` (it ignores ``reject_request``);
+    the rejecting gate of our server fix (``verl_partial/glue/sglang_server.py``) is modelled by ``reject_request``:
+    it closes BEFORE the pause and answers late arrivals "abort" with no tokens;
+  * ``abort_request(rid)`` matches request ids BY PREFIX;
+  * a Ray-cancelled call sends no abort (no ``CancelledError`` handler): the request keeps decoding and holding its
+    slot until it finishes or an abort reaches it; cancelled at the pause gate it leaks its state. Our server fix
+    (``cancel_aborts=True``) sends ``abort_request(rid)`` first, as vLLM does;
+  * new tokens are capped at ``max_model_len - prompt - 1``: at the cap, "length" with 0 tokens.
+
+Calls can fail, hang (no tokens until aborted), be slow, and servers can die (answer nothing, not even aborts).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
-import selectors
-from collections.abc import Coroutine
+from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Literal
 
 import numpy as np
 
 from verl_partial.core.finish import FINISH_MAPPERS
 from verl_partial.core.pool import GroupState, SegmentRequest, SegmentResult
+from verl_partial.sim.clock import run_virtual
+
+__all__ = [
+    "EOS",
+    "PROMPT_LEN",
+    "CallCancelled",
+    "SimEngine",
+    "SimServer",
+    "full_tokens",
+    "log_prob_at",
+    "run_virtual",
+    "target_length",
+]
 
 EOS = 1_000  # outside the range of token_at
-T = TypeVar("T")
+PROMPT_LEN = 1  # every prompt is one token (``SegmentResult.prompt_ids``)
+GATE_BARRIER_TIMEOUT_S = 60.0  # verl's vllm_async_server._GATE_BARRIER_TIMEOUT_S
+
+Engine = Literal["vllm", "sglang"]
 
 
-class _VirtualSelector(selectors.DefaultSelector):
-    def __init__(self, loop: VirtualClockLoop) -> None:
-        super().__init__()
-        self.loop = loop
-
-    def select(self, timeout: float | None = None) -> list:
-        events = super().select(0)
-        if events:
-            return events
-        if timeout is None:
-            raise RuntimeError("virtual clock: nothing ready and no timer pending -- the simulation is stalled")
-        self.loop.now += timeout
-        return []
-
-
-class VirtualClockLoop(asyncio.SelectorEventLoop):
-    """An event loop whose clock advances only by jumping to the next timer."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        super().__init__(_VirtualSelector(self))
-
-    def time(self) -> float:
-        return self.now
-
-
-def run_virtual(main: Coroutine[Any, Any, T]) -> T:
-    """``asyncio.run`` on a :class:`VirtualClockLoop`; tasks left pending (calls lost to dead servers) are
-    cancelled at the end."""
-    loop = VirtualClockLoop()
-    try:
-        return loop.run_until_complete(main)
-    finally:
-        pending = asyncio.all_tasks(loop)
-        for task in pending:
-            task.cancel()
-        if pending:
-            loop.run_until_complete(asyncio.wait(pending))
-        loop.close()
+class CallCancelled(RuntimeError):
+    """What a Ray-cancelled call raises at its client (``ray.exceptions.TaskCancelledError``'s stand-in)."""
 
 
 def _h(*parts: object) -> int:
@@ -105,28 +107,37 @@ def log_prob_at(position: int, version: int) -> float:
 @dataclass
 class SimServer:
     name: str
-    shape: str = "vllm"  # which verl server's stop_reason words it speaks: "vllm" or "sglang"
+    engine: Engine = "vllm"
     token_latency: float = 0.01
     dies_at: float = float("inf")  # from then on it answers nothing, not even aborts
-    max_num_seqs: int = 1_000  # calls decoded at once; the rest wait in the server's queue
-    gate_open: bool = True
+    max_num_seqs: int = 1_000  # requests decoded at once; the rest wait in the engine's queue
+    max_model_len: int | None = None  # prompt + response cap (None: unlimited)
+    cancel_aborts: bool = False  # SGLang with our server fix: a cancelled call aborts its request
+    stuck: bool = False  # a wedged engine: its requests produce no token until aborted (it still answers aborts)
+    # Gate (vLLM ``_submission_paused`` / our SGLang fix's rejecting gate) and engine pause (vLLM
+    # ``pause_generation``, SGLang ``is_pause``).
+    gate_closed: bool = False
     rejecting: bool = False
-    opened: asyncio.Event | None = None
-    seqs: asyncio.Semaphore | None = None
+    paused: bool = False
+    admitting: int = 0  # vLLM ``_admitting``
+    barrier_waiting: bool = False  # a vLLM abort_all is inside its barrier
+    resumed_in_barrier: bool = False
+    waiting: deque[SimCall] = field(default_factory=deque)
+    running: set[SimCall] = field(default_factory=set)
+    changed: asyncio.Event | None = None  # set on every change of gate, pause, queue or admissions
 
     def dead(self, now: float) -> bool:
         return now >= self.dies_at
 
-    def slots(self) -> asyncio.Semaphore:
-        if self.seqs is None:
-            self.seqs = asyncio.Semaphore(self.max_num_seqs)
-        return self.seqs
+    def poke(self) -> None:
+        if self.changed is not None:
+            self.changed.set()
 
-    def gate(self) -> asyncio.Event:
-        if self.opened is None:
-            self.opened = asyncio.Event()
-            self.opened.set()
-        return self.opened
+    async def next_change(self) -> None:
+        if self.changed is None:
+            self.changed = asyncio.Event()
+        self.changed.clear()
+        await self.changed.wait()
 
 
 @dataclass(eq=False)
@@ -134,32 +145,46 @@ class SimCall:
     request: SegmentRequest
     key: str
     prefix: list[int]
+    future: asyncio.Future[SegmentResult]  # what the scheduler holds
     state: str = "transit"  # transit -> (parked) -> queued -> running -> done
     launched_at: float = 0.0
     ended_at: float = float("inf")
-    abort: bool = False
-    aborted: asyncio.Event = field(default_factory=asyncio.Event)
+    abort: bool = False  # told to abort (per request or all)
+    cancelled: bool = False  # Ray-cancelled: the client got nothing back
+    zombie: bool = False  # cancelled on SGLang without our fix: decodes on, unseen
+    first_output: bool = False
+    new_ids: list[int] = field(default_factory=list)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task | None = None
 
 
 @dataclass
 class SimEngine:
-    """Implements ``SegmentBackend``: launch / cancel / abort_all / resume over :class:`SimServer` s."""
+    """Implements ``SegmentBackend``: launch / take_back / cancel / abort_all / resume over :class:`SimServer` s."""
 
     seed: int
     response_length: int
     servers_: list[SimServer]
-    fail_rate: float = 0.0  # a call raises after arriving
-    hang_rate: float = 0.0  # a call gets stuck at its server without tokens until aborted
+    fail_rate: float = 0.0  # a call raises after it starts running
+    hang_rate: float = 0.0  # a call is stuck at its server without tokens until aborted
     slow_rate: float = 0.0  # a call decodes 20x slower than its server
     max_transit: float = 0.0  # client -> server delay, uniform in [0, max_transit]
-    reject_request: bool = True  # abort_all closes gates rejecting late arrivals (vLLM reject_request=True)
+    reject_request: bool = True  # abort_all rejects late arrivals (vLLM reject_request=True; our SGLang fix)
+    cancel_raises: bool = False  # a cancelled call's future fails (else: resolves ABORTED with no tokens)
     version: int = 0
     calls: dict[str, SimCall] = field(default_factory=dict)
-    decoding: set[str] = field(default_factory=set)
-    tokens_generated: int = 0
+    tokens_generated: int = 0  # by calls the client still waits for
+    tokens_delivered: int = 0  # in results handed to the client
+    tokens_lost: int = 0  # generated by calls that were cancelled: the client never saw them
+    zombie_tokens: int = 0  # generated after a cancel that did not stop the request (SGLang without our fix)
+    leaked_states: int = 0  # SGLang requests cancelled at the pause gate
+    taken_back: dict[str, float] = field(default_factory=dict)  # request id -> when take_back reached it
     cancelled_ids: dict[str, float] = field(default_factory=dict)  # request id -> when its cancel arrived
     max_outstanding: dict[str, int] = field(default_factory=dict)
+    violations: list[str] = field(default_factory=list)
+    # Answers whose reason hides the truth (SGLang): "abort" on an EOS or on the last allowed token, "length" on an
+    # EOS, and 0-token "length" at the model-length cap. Tests use them to show their case really happened.
+    tricky: Counter[str] = field(default_factory=Counter)
 
     @property
     def servers(self) -> list[str]:
@@ -172,49 +197,100 @@ class SimEngine:
         return asyncio.get_running_loop().time()
 
     def outstanding(self, server: str) -> int:
-        return sum(c.state != "done" and c.request.server == server for c in self.calls.values())
+        return sum(not c.future.done() and c.request.server == server for c in self.calls.values())
 
     def generating(self) -> list[str]:
-        """Calls decoding on a live server (a dead server generates nothing, whatever its calls' state)."""
+        """Requests decoding on a live server for a client that still waits (zombies are counted apart)."""
         now = self.now()
-        return [rid for rid in self.decoding if not self.server(self.calls[rid].request.server).dead(now)]
+        return [
+            c.request.request_id
+            for server in self.servers_
+            if not server.dead(now)
+            for c in server.running
+            if not c.zombie
+        ]
 
     def live_calls(self) -> list[SimCall]:
-        """Calls that may still generate: unfinished, not told to abort, on a live server (a dead server's calls
-        are lost with it)."""
+        """Calls a live server still works on, or will once they arrive, for a client that still waits."""
         now = self.now()
         return [
             c
             for c in self.calls.values()
-            if c.state != "done" and not c.abort and not self.server(c.request.server).dead(now)
+            if c.state != "done" and not c.cancelled and not self.server(c.request.server).dead(now)
         ]
 
     # ------------------------------------------------------------ SegmentBackend
     def launch(self, wave: list[tuple[GroupState, SegmentRequest]]) -> list[asyncio.Future[SegmentResult]]:
+        loop = asyncio.get_running_loop()
         futures = []
         for group, request in wave:
             if request.request_id in self.calls:
                 raise AssertionError(f"request id {request.request_id} reused")
             prefix = group.samples[request.ref.index].token_ids
             assert len(prefix) == request.prefix_len
-            call = SimCall(request, group.key, prefix.tolist(), launched_at=self.now())
+            call = SimCall(request, group.key, prefix.tolist(), loop.create_future(), launched_at=self.now())
             self.calls[request.request_id] = call
-            call.task = asyncio.ensure_future(self._serve(call, group))
-            futures.append(call.task)
+            call.task = loop.create_task(self._serve(call))
+            futures.append(call.future)
             name = request.server
             self.max_outstanding[name] = max(self.max_outstanding.get(name, 0), self.outstanding(name))
         return futures
 
-    async def cancel(self, requests: list[SegmentRequest]) -> None:
+    async def take_back(self, requests: list[SegmentRequest]) -> None:
+        """Abort each call at its server by request id (vLLM ``abort_request``; SGLang ``abort_request``, prefix
+        match). A call the engine does not hold (in transit, parked, done) is unaffected. A dead server does not
+        answer."""
+        dead = False
         for request in requests:
-            call = self.calls[request.request_id]
-            if self.server(request.server).dead(self.now()):
-                continue  # a dead server does not answer its abort
+            server = self.server(request.server)
+            if server.dead(self.now()):
+                dead = True
+                continue
+            self.taken_back.setdefault(request.request_id, self.now())
+            held = [c for c in (*server.waiting, *server.running) if not c.abort]
+            if server.engine == "vllm":
+                matched = [c for c in held if c.request.request_id == request.request_id]
+            else:
+                matched = [c for c in held if c.request.request_id.startswith(request.request_id)]
+            for call in matched:
+                if call.request.request_id != request.request_id:
+                    self.violations.append(
+                        f"abort_request({request.request_id!r}) prefix-matched another call "
+                        f"{call.request.request_id!r} on {server.name}"
+                    )
+                self._abort(server, call)
+        if dead:
+            await asyncio.Event().wait()
+
+    async def cancel(self, requests: list[SegmentRequest]) -> None:
+        """Ray cancel: the client gets nothing back. vLLM (and SGLang with our fix) abort the request; SGLang
+        without it decodes on."""
+        dead = False
+        for request in requests:
+            call, server = self.calls[request.request_id], self.server(request.server)
+            if server.dead(self.now()):
+                dead = True
+                continue
             self.cancelled_ids.setdefault(request.request_id, self.now())
-            if call.state == "running":
-                self._stop(call)  # abort_request: returns its tokens so far
-            elif call.state in ("transit", "parked", "queued") and call.task is not None:
-                call.task.cancel()  # the client's cancel reaches the call before the engine admits it
+            if call.future.done() or call.cancelled:
+                continue
+            call.cancelled = True
+            self.tokens_lost += len(call.new_ids)
+            if self.cancel_raises:
+                call.future.set_exception(CallCancelled(f"{request.request_id} cancelled"))
+            else:
+                call.future.set_result(self._result(call, [], "abort"))
+            if call.state in ("transit", "parked"):
+                if call.state == "parked" and server.engine == "sglang" and not server.cancel_aborts:
+                    self.leaked_states += 1  # cancelled at is_pause_cond: its state stays in the tokenizer manager
+                if call.task is not None:
+                    call.task.cancel()
+            elif server.engine == "vllm" or server.cancel_aborts:
+                self._abort(server, call)
+            else:
+                call.zombie = True  # SGLang: no CancelledError handler, no abort sent
+        if dead:
+            await asyncio.Event().wait()
 
     async def abort_all(self) -> None:
         await asyncio.gather(*[self._abort_server(server) for server in self.servers_])
@@ -222,93 +298,188 @@ class SimEngine:
     async def _abort_server(self, server: SimServer) -> None:
         if server.dead(self.now()):
             await asyncio.Event().wait()  # the control call hangs like the server
-        server.gate_open, server.rejecting = False, self.reject_request
-        server.gate().clear()
-        for call in self.calls.values():
-            if call.request.server == server.name and call.state == "running":
-                self._stop(call)
-            elif call.request.server == server.name and call.state == "queued" and call.task is not None:
-                call.task.cancel()  # vLLM's pause aborts waiting requests too: no tokens
+        server.gate_closed, server.rejecting = True, self.reject_request
+        if server.engine == "vllm":
+            await self._vllm_barrier(server)
+        else:
+            server.gate_closed = self.reject_request  # our fix's gate; SGLang's own pause ignores reject_request
+        # pause_generation: everything the engine holds is aborted; it stays paused until resume.
+        for call in [*server.waiting, *server.running]:
+            self._abort(server, call)
+        server.paused = True
+        server.poke()
 
-    def _stop(self, call: SimCall) -> None:
-        """Abort a running call: it appends no token after this moment and returns what it has."""
-        call.abort = True
-        call.aborted.set()
-        self.decoding.discard(call.request.request_id)
+    async def _vllm_barrier(self, server: SimServer) -> None:
+        """``abort_all_requests``: wait (<= 60 s) while admitted requests have no first output."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + GATE_BARRIER_TIMEOUT_S
+        server.barrier_waiting, server.resumed_in_barrier = True, False
+        try:
+            while server.admitting > 0 and loop.time() < deadline:
+                try:
+                    await asyncio.wait_for(server.next_change(), deadline - loop.time())
+                except asyncio.TimeoutError:
+                    break
+                if server.dead(loop.time()):
+                    await asyncio.Event().wait()
+        finally:
+            server.barrier_waiting = False
+        if server.resumed_in_barrier:
+            self.violations.append(
+                f"resume overtook abort_all on {server.name} at t={loop.time():.3f}: the pause landed after it "
+                "and left the engine paused"
+            )
 
     async def resume(self) -> None:
         for server in self.servers_:
-            if not server.dead(self.now()):
-                server.gate_open, server.rejecting = True, False
-                server.gate().set()
+            if server.dead(self.now()):
+                continue
+            if server.barrier_waiting:
+                server.resumed_in_barrier = True
+                server.gate_closed, server.rejecting = False, False  # the gate opens, the engine pauses later
+            else:
+                server.gate_closed, server.rejecting, server.paused = False, False, False
+            server.poke()
+            self._schedule(server)
 
-    # ------------------------------------------------------------ one call
-    async def _serve(self, call: SimCall, group: GroupState) -> SegmentResult:
+    # ------------------------------------------------------------ the engine
+    def _abort(self, server: SimServer, call: SimCall) -> None:
+        """Tell the engine to end a request it holds: queued ones end at once, running ones at their next token
+        boundary (SGLang: after one more token)."""
+        if call.abort or call.state not in ("queued", "running"):
+            return
+        call.abort = True
+        if call.state == "queued":
+            server.waiting.remove(call)
+            call.state = "aborted_queued"
+        call.wake.set()
+
+    def _schedule(self, server: SimServer) -> None:
+        while server.waiting and len(server.running) < server.max_num_seqs and not server.paused:
+            call = server.waiting.popleft()
+            call.state = "running"
+            server.running.add(call)
+            call.wake.set()
+
+    async def _serve(self, call: SimCall) -> None:
+        server = self.server(call.request.server)
         try:
-            return await self._arrive_and_run(call, group)
+            outcome = await self._arrive_and_run(call, server)
+        except asyncio.CancelledError:
+            return  # cancelled before its server ran it
+        except Exception as error:  # an injected failure: the client sees it
+            if not call.future.done():
+                call.future.set_exception(error)
+            return
         finally:
             call.state, call.ended_at = "done", self.now()
+            server.running.discard(call)
+            self._schedule(server)
+        if call.future.done():
+            return  # cancelled: the client already has its (empty) answer
+        self.tokens_delivered += len(outcome.new_ids)
+        call.future.set_result(outcome)
 
-    async def _arrive_and_run(self, call: SimCall, group: GroupState) -> SegmentResult:
-        request, server = call.request, self.server(call.request.server)
-        attempt_draw = _u(self.seed, "fault", request.request_id)
-        try:
-            await asyncio.sleep(_u(self.seed, "transit", request.request_id) * self.max_transit)
-            if server.dead(self.now()):
-                await asyncio.Event().wait()
-            while not server.gate_open:
-                if server.rejecting:
-                    return self._result(call, [], "abort")
-                call.state = "parked"
-                await server.gate().wait()
-            call.state = "queued"
-            await server.slots().acquire()
-        except asyncio.CancelledError:
-            # Cancelled in transit, at the gate or in the queue (the engine's abort of a waiting request).
-            return self._result(call, [], "abort")
-        call.state = "running"
-        try:
-            if attempt_draw < self.fail_rate:
-                raise RuntimeError("injected failure")
-            if attempt_draw < self.fail_rate + self.hang_rate:
-                await call.aborted.wait()
-                return self._result(call, [], "abort")
-            return await self._decode(call, server, group, attempt_draw)
-        finally:
-            server.slots().release()
-
-    async def _decode(self, call: SimCall, server: SimServer, group: GroupState, draw: float) -> SegmentResult:
+    async def _arrive_and_run(self, call: SimCall, server: SimServer) -> SegmentResult:
         request = call.request
-        index = request.ref.index
-        expected = full_tokens(call.key, index, self.seed, self.response_length)
-        start = len(call.prefix)
-        assert call.prefix == expected[:start], "resumed from a wrong prefix"
-        latency = server.token_latency * (20 if draw > 1 - self.slow_rate else 1)
-        new_ids: list[int] = []
-        self.decoding.add(request.request_id)
+        await asyncio.sleep(_u(self.seed, "transit", request.request_id) * self.max_transit)
+        await self._alive(server)
+        while server.gate_closed or (server.engine == "sglang" and server.paused):
+            if server.gate_closed and server.rejecting:
+                return self._result(call, [], "abort")  # rejected at the gate, never entered the engine
+            call.state = "parked"
+            await server.next_change()
+            await self._alive(server)
+        # Past the gate: vLLM counts the admission until the first output or the end of the request.
+        vllm = server.engine == "vllm"
+        if vllm:
+            server.admitting += 1
+        call.state = "queued"
+        server.waiting.append(call)
+        self._schedule(server)
         try:
-            for position in range(start, start + request.max_new_tokens):
-                await asyncio.sleep(latency)
-                if server.dead(self.now()):
-                    self.decoding.discard(request.request_id)  # lost with its server; generates nothing more
-                    await asyncio.Event().wait()
-                if call.abort:
-                    return self._result(call, new_ids, "abort")
-                new_ids.append(expected[position])
-                self.tokens_generated += 1
-                if new_ids[-1] == EOS:
-                    break
+            while call.state == "queued":
+                call.wake.clear()
+                await call.wake.wait()
+            if call.state == "aborted_queued":
+                return self._result(call, [], "abort")
+            return await self._run(call, server)
         finally:
-            self.decoding.discard(request.request_id)
-        if server.shape == "vllm":
-            return self._result(call, new_ids, "completed")
-        return self._result(call, new_ids, "stop" if new_ids[-1] == EOS else "length")
+            if vllm and not call.first_output:
+                server.admitting -= 1
+                server.poke()
+
+    async def _alive(self, server: SimServer) -> None:
+        if server.dead(self.now()):
+            await asyncio.Event().wait()
+
+    async def _run(self, call: SimCall, server: SimServer) -> SegmentResult:
+        request = call.request
+        draw = _u(self.seed, "fault", request.request_id)
+        if draw < self.fail_rate:
+            raise RuntimeError("injected failure")
+        if server.stuck or draw < self.fail_rate + self.hang_rate:
+            while not call.abort:
+                call.wake.clear()
+                await call.wake.wait()
+            return self._result(call, [], "abort")
+        expected = full_tokens(call.key, request.ref.index, self.seed, self.response_length)
+        start = len(call.prefix)
+        if EOS in call.prefix:
+            self.violations.append(f"{request.request_id}: resumed after an EOS")
+        elif call.prefix != expected[:start]:
+            self.violations.append(f"{request.request_id}: resumed from a wrong prefix")
+        max_new = request.max_new_tokens
+        if server.max_model_len is not None:
+            room = server.max_model_len - PROMPT_LEN - start
+            # SGLang caps new tokens at max_model_len - prompt - 1; verl clamps vLLM's max_tokens to max_model_len
+            # - prompt (vLLM then reports the truncated answer as "completed").
+            max_new = min(max_new, room - 1 if server.engine == "sglang" else room)
+            if max_new <= 0:
+                return self._result(call, [], "length" if server.engine == "sglang" else "completed")
+        latency = server.token_latency * (20 if draw > 1 - self.slow_rate else 1)
+        for position in range(start, start + max_new):
+            await asyncio.sleep(latency)  # one engine step; an abort lands at its end
+            await self._alive(server)
+            if call.abort and server.engine == "vllm":
+                return self._result(call, call.new_ids, "abort")  # vLLM: nothing after the abort
+            token = expected[position] if position < len(expected) else token_at(call.key, request.ref.index, position)
+            self._emit(call, server, token)
+            # SGLang's check_finished: abort (this was the one more token), then length, then EOS.
+            if call.abort:
+                return self._result(call, call.new_ids, "abort")
+            if len(call.new_ids) >= max_new:
+                break
+            if token == EOS:
+                return self._result(call, call.new_ids, "stop" if server.engine == "sglang" else "completed")
+        return self._result(call, call.new_ids, "length" if server.engine == "sglang" else "completed")
+
+    def _emit(self, call: SimCall, server: SimServer, token: int) -> None:
+        call.new_ids.append(token)
+        if call.zombie:
+            self.zombie_tokens += 1
+        elif call.cancelled:
+            self.tokens_lost += 1
+        else:
+            self.tokens_generated += 1
+        if not call.first_output:
+            call.first_output = True
+            if server.engine == "vllm":
+                server.admitting -= 1
+                server.poke()
 
     def _result(self, call: SimCall, new_ids: list[int], raw: str) -> SegmentResult:
         server = self.server(call.request.server)
-        if raw == "abort" and server.shape == "vllm":
+        if raw == "abort" and server.engine == "vllm":
             raw = "aborted"
-        finish = FINISH_MAPPERS[server.shape](raw, new_ids, call.request.max_new_tokens, {EOS})
+        if raw in ("abort", "length") and server.engine == "sglang":
+            if not new_ids:
+                self.tricky["length_0_tokens" if raw == "length" else "abort_0_tokens"] += 1
+            elif new_ids[-1] == EOS:
+                self.tricky[f"{raw}_on_eos"] += 1
+            elif raw == "abort" and len(new_ids) == call.request.max_new_tokens:
+                self.tricky["abort_on_last_allowed"] += 1
+        finish = FINISH_MAPPERS[server.engine](raw, new_ids, call.request.max_new_tokens, {EOS})
         start = len(call.prefix)
         return SegmentResult(
             new_ids=np.asarray(new_ids, dtype=np.int32),
