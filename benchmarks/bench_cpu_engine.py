@@ -9,7 +9,7 @@ Each cell: ``n`` requests with random 32-token prompts submitted at once, ``igno
 levels are interleaved within a repeat and the best of ``--repeats`` is kept, so a noisy neighbour on a shared
 machine hurts all cells alike rather than one.
 
-    python benchmarks/bench_cpu_engine.py [--max-tokens 128] [--repeats 3]
+    python -m benchmarks.bench_cpu_engine [--max-tokens 128] [--repeats 3]
 """
 
 from __future__ import annotations

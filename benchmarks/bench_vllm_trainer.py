@@ -1,8 +1,8 @@
 """Rollout phase per step through verl's real trainer: sync vs partial vs on-policy, on vLLM's CPU engine and ours.
 
-    .nox/vllm/bin/python benchmarks/bench_vllm_trainer.py \\
+    .nox/vllm/bin/python -m benchmarks.bench_vllm_trainer \\
         --out docs/partial-rollout-benchmark.md --json benchmarks/results/vllm_trainer.json
-    .nox/vllm/bin/python benchmarks/bench_vllm_trainer.py --from-json benchmarks/results/vllm_trainer.json
+    .nox/vllm/bin/python -m benchmarks.bench_vllm_trainer --from-json benchmarks/results/vllm_trainer.json
 
 Every run is ``python -m verl.trainer.main_ppo +backend=<engine> [+partial=<preset>]`` (built by
 :func:`verl_partial.cli.demo_command`, as the demo and the end-to-end tests build it), each wrapped in
@@ -56,9 +56,9 @@ from statistics import NormalDist
 from typing import Any
 
 import numpy as np
-from _modes import previous_default
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
+from benchmarks._modes import previous_default
 from verl_partial.core.finish import Finish
 from verl_partial.sim.bound import StepCostFloor, phase_floor
 
@@ -304,13 +304,15 @@ def trainer_overrides(
     ]
     if mode == "sync":
         loops = run_dir / "agent_loops.yaml"
-        loops.write_text(f"- name: {AGENT_LOOP}\n  _target_: bench_vllm_trainer.ImposedLengthAgentLoop\n")
+        loops.write_text(f"- name: {AGENT_LOOP}\n  _target_: benchmarks.bench_vllm_trainer.ImposedLengthAgentLoop\n")
         overrides += [
             f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loops}",
             f"actor_rollout_ref.rollout.agent.default_agent_loop={AGENT_LOOP}",
         ]
     if mode != "sync" or engine_steps:
-        overrides.append("+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=bench_vllm_trainer.worker_setup")
+        overrides.append(
+            "+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=benchmarks.bench_vllm_trainer.worker_setup"
+        )
     if engine_steps:
         overrides.append("actor_rollout_ref.rollout.disable_log_stats=false")
     return overrides
@@ -342,7 +344,7 @@ def run_one(
         **os.environ,
         "VERL_FILE_LOGGER_PATH": str(metrics),
         TARGET_ENV: wl.lengths.env(),
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
         **({PARTIAL_HOOK_ENV: "1"} if mode != "sync" else {}),
         **({ENGINE_STEPS_ENV: str(steps_dir)} if engine_steps else {}),
     }
@@ -745,8 +747,8 @@ def peak(engine: str, model_dir: Path, tokens: int, repeats: int = 3) -> dict[st
 def measure_peak(engine: str, model_dir: Path, tokens: int) -> dict[str, float]:
     """:func:`peak` in its own process, under the shared lock."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-    command = [sys.executable, __file__, "--peak", engine, str(model_dir), str(tokens)]
-    done = subprocess.run(["flock", LOCK, *command], env=env, capture_output=True, text=True)
+    command = [sys.executable, "-m", "benchmarks.bench_vllm_trainer", "--peak", engine, str(model_dir), str(tokens)]
+    done = subprocess.run(["flock", LOCK, *command], env=env, capture_output=True, text=True, cwd=REPO)
     lines = [line for line in done.stdout.splitlines() if line.startswith("PEAK ")]
     if done.returncode != 0 or not lines:
         print(f"peak {engine} failed:\n{done.stderr[-3000:]}", flush=True)
@@ -760,7 +762,7 @@ def measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     started = time.time()
     wl = Workload(steps=args.steps, slots=args.slots, train_rows=args.train_rows)
     paths = build_assets(args.work_dir / "assets", wl)
-    command = "python benchmarks/bench_vllm_trainer.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.bench_vllm_trainer " + " ".join(argv if argv is not None else sys.argv[1:])
     kept: list[dict[str, Any]] = []
     if args.keep and args.json and args.json.exists():
         kept = [run for run in json.loads(args.json.read_text())["runs"] if run["returncode"] == 0]
@@ -834,5 +836,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.append(str(REPO))  # benchmarks._machine from a checkout (appended: the installed package wins)
     main()

@@ -1,7 +1,7 @@
 """Learning curves: synchronous vs partial rollout through verl's real GRPO trainer, and the run-level length bias.
 
-    python benchmarks/learning_curves.py --lock /tmp/team/heavy.lock          # the documented matrix (~30 min)
-    python benchmarks/learning_curves.py --report-only                         # tables + plot from saved results
+    python -m benchmarks.learning_curves --lock /tmp/team/heavy.lock          # the documented matrix (~30 min)
+    python -m benchmarks.learning_curves --report-only                         # tables + plot from saved results
 
 Method. Every run is ``python -m verl.trainer.main_ppo`` built by :func:`verl_partial.cli.demo_command` (the demo:
 countdown task, tiny Qwen2, our CPU engine, 8 prompts x 4 samples per step), one run at a time, each optionally
@@ -54,13 +54,13 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+from benchmarks._machine import cpu_name
+from benchmarks._modes import previous_default
+from verl_partial.cli import DEFAULT_CACHE, demo_command
+from verl_partial.demo.assets import DemoAssets, build_assets, hydra_overrides
+from verl_partial.sim.stats import ks_distance
 
-from benchmarks._machine import cpu_name  # noqa: E402
-from benchmarks._modes import previous_default  # noqa: E402
-from verl_partial.cli import DEFAULT_CACHE, demo_command  # noqa: E402
-from verl_partial.demo.assets import DemoAssets, build_assets, hydra_overrides  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RESULTS = ROOT / "benchmarks" / "results" / "learning_curves.json"
 PLOT = ROOT / "docs" / "img" / "learning_curves.png"
@@ -202,14 +202,6 @@ def _token_length(tokenizer: Any, text: str, max_response_length: int) -> int:
 
 
 # ----------------------------------------------------------------------------------------------------- analysis
-
-
-def ks_distance(a: np.ndarray, b: np.ndarray) -> float:
-    """Two-sample Kolmogorov-Smirnov statistic: the largest gap between the two empirical CDFs (ties handled)."""
-    grid = np.union1d(a, b)
-    cdf_a = np.searchsorted(np.sort(a), grid, side="right") / len(a)
-    cdf_b = np.searchsorted(np.sort(b), grid, side="right") / len(b)
-    return float(np.max(np.abs(cdf_a - cdf_b)))
 
 
 def ks_critical(n: int, m: int) -> float:

@@ -1,7 +1,7 @@
 """Run every rollout-correction preset for one real GRPO step on the CPU backend and tabulate what it logged.
 
-    python benchmarks/run_correction_presets.py                          # all presets, table on stdout
-    python benchmarks/run_correction_presets.py --presets pure_is geo_rs --out /tmp/correction_matrix.md
+    python -m benchmarks.run_correction_presets                          # all presets, table on stdout
+    python -m benchmarks.run_correction_presets --presets pure_is geo_rs --out /tmp/correction_matrix.md
 
 Each preset runs ``python -m verl.trainer.main_ppo +backend=cpu +partial=default +rollout_correction=<name>``
 (the demo command of ``verl_partial.cli.demo_command``, one step unless ``--steps``, no validation) in a fresh temporary
@@ -37,12 +37,11 @@ from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+from verl_partial.cli import demo_command
+from verl_partial.core.correction import PRESET_NAMES
+from verl_partial.demo.assets import build_assets, hydra_overrides
 
-from verl_partial.cli import demo_command  # noqa: E402
-from verl_partial.core.correction import PRESET_NAMES  # noqa: E402
-from verl_partial.demo.assets import build_assets, hydra_overrides  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 RUN_TIMEOUT_S = 420
 PRESET_DIR = ROOT / "hydra_configs" / "rollout_correction"
@@ -251,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown presets {unknown}; known: {', '.join(PRESET_NAMES)}")
     command = (
-        "python benchmarks/run_correction_presets.py"
+        "python -m benchmarks.run_correction_presets"
         + ("" if args.presets == list(PRESET_NAMES) else " --presets " + " ".join(args.presets))
         + ("" if args.steps == 1 else f" --steps {args.steps}")
     )

@@ -17,7 +17,7 @@ that cause. Each runs the real scheduler in the simulator, beside `default` and 
   because the next step could not train every group tied to it. Here that refusal is replaced by a rule: at a
   step start, the tied groups beyond what the step can train are restarted, fewest tokens first (counted).
 
-    python benchmarks/sim_tail_levers.py --json benchmarks/results/sim_tail_levers.json   # ~3 min of CPU
+    python -m benchmarks.sim_tail_levers --json benchmarks/results/sim_tail_levers.json   # ~3 min of CPU
 """
 
 from __future__ import annotations
@@ -30,13 +30,14 @@ import time
 from pathlib import Path
 
 import numpy as np
-from sim_gpu_projection import SETUPS  # the projection's setups (benchmarks/ is the script's folder)
 
+from benchmarks.sim_gpu_projection import SETUPS
 from verl_partial.core import scheduler
 from verl_partial.core.pool import RolloutPool
 from verl_partial.sim import run as simrun
 from verl_partial.sim.backend import SimBackend
-from verl_partial.sim.run import ModeRun, ks_distance, mode_configs, simulate, throughput_limit
+from verl_partial.sim.run import ModeRun, mode_configs, simulate, throughput_limit
+from verl_partial.sim.stats import ks_distance
 from verl_partial.sim.workload import PromptCycle, Workload
 
 LOOKAHEAD_GROUPS = 256  # prompts the oracle may choose from: two steps' worth

@@ -8,7 +8,7 @@ Per version (verl sums timing_s/* over the local updates of a version): gen (the
 128.47 / 58.17 / 38.88 / 33.14 s and step 231.34 / 171.30 / 146.11 / 150.63 s at staleness_threshold
 0 / 0.1 / 0.3 / 0.5.
 
-Method. verl's fully_async rollouter and trainer (verl_partial.sim.fully_async) run against the engine model: 16
+Method. verl's fully_async rollouter and trainer (benchmarks/fully_async_model.py) run against the engine model: 16
 servers, at most 16 prompts in flight per server, (1 + staleness) x 512 prompts admitted per version, running
 answers aborted and resumed on the new weights at each parameter sync. The trainer's own time per local update is
 the published (step - gen) / 4 of that row -- an input. The response-length distribution is not published: lognormal
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.fully_async_model import FullyAsyncSetup, simulate_fully_async
 from verl_partial.core.partial_config import PartialConfig
 from verl_partial.sim.engine import ServerSpec
-from verl_partial.sim.fully_async import FullyAsyncSetup, simulate_fully_async
 from verl_partial.sim.hardware import H20, QWEN25_7B
 from verl_partial.sim.run import simulate
 from verl_partial.sim.workload import Workload

@@ -12,9 +12,9 @@ from verl_partial.core.finish import Finish
 from verl_partial.sim.cli import main
 from verl_partial.sim.clock import run_virtual
 from verl_partial.sim.engine import ServerSpec, SimServer, lognormal_sigma
-from verl_partial.sim.fully_async import FullyAsyncSetup, simulate_fully_async
 from verl_partial.sim.hardware import H20, H100_SXM, QWEN25_7B, QWEN25_32B, Efficiency, GpuSpec
 from verl_partial.sim.run import mode_configs, simulate
+from verl_partial.sim.stats import ks_distance
 from verl_partial.sim.workload import Workload
 
 
@@ -258,39 +258,9 @@ def test_simulate_command_prints_one_row_per_mode(capsys):
         assert shortest <= mean <= longest
 
 
-def _fully_async(staleness: float, servers: int = 2, required: int = 4, versions: int = 5):
-    setup = FullyAsyncSetup(
-        required_groups=required,
-        trigger_parameter_sync_step=2,
-        staleness_threshold=staleness,
-        partial_rollout=True,
-        train_seconds_per_update=5.0,
-    )
-    load = Workload(batch=8, n=4, p50=400, p99_over_p50=20, response_length=16_384, prompts=64)
-    return simulate_fully_async(setup, load, ServerSpec(H100_SXM, QWEN25_7B), servers, versions)
-
-
-def test_fully_async_at_staleness_zero_admits_one_version_of_prompts_and_resumes_nothing():
-    run = _fully_async(0.0)
-    # staleness_threshold 0: required x trigger_parameter_sync_step prompts per version, all finished before the sync
-    assert run.admitted == [8] * 5
-    assert run.resumed_answers == 0
-    assert all(gen > 0 for gen in run.gen_seconds)
-
-
-def test_fully_async_staleness_bounds_admission_and_partial_rollout_resumes_across_syncs():
-    run = _fully_async(0.5)
-    # at most (1 + 0.5) x 8 new prompts per version; answers aborted at a sync continue on the new weights
-    assert max(run.admitted) <= 12 and sum(run.admitted) > 8 * 5
-    assert run.resumed_answers > 0
-    assert run.max_groups_in_flight <= 12
-
-
-def test_fully_async_keeps_at_most_16_prompts_in_flight_per_server():
-    run = _fully_async(1.0, servers=1, required=16, versions=2)
-    assert run.max_groups_in_flight == 16  # fully_async_rollouter: max_concurrent_samples = servers x 16
-
-
-def test_fully_async_staleness_shortens_the_trainers_wait_on_a_heavy_tail():
-    # The trainer waits for the slowest prompt of each version at staleness 0; streaming past the sync hides it.
-    assert np.mean(_fully_async(0.5).gen_seconds[1:]) < 0.7 * np.mean(_fully_async(0.0).gen_seconds[1:])
+def test_ks_distance_is_the_largest_cdf_gap_with_ties_counted_once():
+    # CDFs at 1, 2, 3, 4: a = 0.25, 0.75, 1, 1 and b = 0, 0.75, 0.75, 1 -> gaps 0.25, 0, 0.25, 0.
+    a, b = np.array([2, 1, 3, 2]), np.array([2, 4, 2, 2])
+    assert ks_distance(a, b) == ks_distance(b, a) == pytest.approx(0.25)
+    assert ks_distance(a, a.copy()) == 0.0
+    assert ks_distance(np.array([1, 1]), np.array([5, 6, 7])) == 1.0

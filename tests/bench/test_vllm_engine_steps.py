@@ -4,25 +4,15 @@ floor."""
 
 from __future__ import annotations
 
-import importlib
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
-
-@pytest.fixture(scope="module")
-def bench():
-    # The benchmark lives beside the package and imports its sibling modules (_modes) by name.
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        yield importlib.import_module("bench_vllm_trainer")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+@pytest.fixture
+def bench(bench_module):
+    return bench_module("bench_vllm_trainer")
 
 
 def test_recorded_steps_split_into_phases_and_no_token_outputs_join_the_step_before(bench, tmp_path):
