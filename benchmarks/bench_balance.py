@@ -68,13 +68,11 @@ from verl.trainer.ppo.ray_trainer import RayPPOTrainer  # noqa: E402
 from verl.utils.seqlen_balancing import calculate_workload, get_seqlen_balanced_partitions  # noqa: E402
 
 from benchmarks._machine import cpu_name  # noqa: E402
-from verl_partial.core.balance import (  # noqa: E402
-    assign_ranks,
-    balance_groups,
-    efficiency_lower_bound,
-    evaluate_permutation,
-)
+from verl_partial.core.balance import balance_groups  # noqa: E402
+from verl_partial.core.balance_bound import efficiency_lower_bound  # noqa: E402
 from verl_partial.core.balance_config import BalanceConfig  # noqa: E402
+from verl_partial.core.balance_eval import evaluate_permutation  # noqa: E402
+from verl_partial.core.balance_ranks import assign_ranks  # noqa: E402
 from verl_partial.glue.balance import balance_batch_by_group  # noqa: E402
 
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"

@@ -1,4 +1,4 @@
-"""Tests of the pure group-preserving balancer (verl_partial.core.balance) and its config.
+"""Tests of the pure group-preserving balancer (verl_partial.core.balance*) and its config.
 
 The invariants are checked against brute-force recomputations written with plain loops, so a bug in the
 vectorised stats code cannot hide a bug in the planner.
@@ -20,15 +20,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from verl_partial.core.balance import (
-    BalanceInfeasibleError,
-    assign_ranks,
-    balance_groups,
-    check_layout,
-    efficiency_lower_bound,
-    evaluate_permutation,
-)
+from verl_partial.core.balance import balance_groups
+from verl_partial.core.balance_bound import efficiency_lower_bound
 from verl_partial.core.balance_config import COST_MODELS, ON_INFEASIBLE_MODES, BalanceConfig
+from verl_partial.core.balance_eval import evaluate_permutation
+from verl_partial.core.balance_layout import BalanceInfeasibleError, check_layout
+from verl_partial.core.balance_ranks import assign_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -492,8 +489,10 @@ def test_verl_default_balance_splits_groups():
 
 
 def test_core_imports_neither_verl_nor_torch():
+    modules = sorted(f"verl_partial.core.{p.stem}" for p in (REPO / "verl_partial" / "core").glob("balance*.py"))
+    assert len(modules) >= 8  # the planner, its config and the six modules it is split into
     code = (
-        "import sys, verl_partial.core.balance, verl_partial.core.balance_config; "
+        f"import sys, {', '.join(modules)}; "
         "bad = sorted(m for m in ('verl', 'torch', 'ray') if m in sys.modules); assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})

@@ -16,8 +16,8 @@ from verl.utils.seqlen_balancing import calculate_workload
 
 from verl_partial import trainer_hooks
 from verl_partial.config import check_balance_against_trainer, check_balance_critic
-from verl_partial.core.balance import evaluate_permutation
 from verl_partial.core.balance_config import BalanceConfig
+from verl_partial.core.balance_eval import evaluate_permutation
 from verl_partial.glue.balance import balance_batch_by_group, flops_per_sample, sample_costs
 
 

@@ -19,8 +19,9 @@ import torch
 from verl import DataProto
 from verl.utils.seqlen_balancing import calculate_workload
 
-from verl_partial.core.balance import balance_groups, evaluate_permutation
+from verl_partial.core.balance import balance_groups
 from verl_partial.core.balance_config import BalanceConfig
+from verl_partial.core.balance_eval import evaluate_permutation
 
 __all__ = ["balance_batch_by_group", "measure_batch_order", "sample_costs", "flops_per_sample"]
 

@@ -32,7 +32,7 @@ from tensordict import TensorDict
 from verl import DataProto
 from verl.utils.model import compute_position_id_with_mask
 
-from verl_partial.core.balance import evaluate_permutation
+from verl_partial.core.balance_eval import evaluate_permutation
 from verl_partial.core.transitions import TransitionPlan, plan_transitions
 
 __all__ = [
