@@ -1,9 +1,9 @@
 """Rollout-phase time per step, synchronous vs partial rollout, on the real CPU engine, side by side.
 
-    python benchmarks/bench_partial_rollout.py                     # markdown tables on stdout (~2 min)
-    python benchmarks/bench_partial_rollout.py --out docs/partial-rollout-benchmark.md \\
+    python -m benchmarks.bench_partial_rollout                     # markdown tables on stdout (~2 min)
+    python -m benchmarks.bench_partial_rollout --out docs/partial-rollout-benchmark.md \\
         --plot docs/img/partial_rollout_benchmark.png              # also refresh the doc's results block + plot
-    python benchmarks/bench_partial_rollout.py --quick             # tiny smoke configuration, a few seconds
+    python -m benchmarks.bench_partial_rollout --quick             # tiny smoke configuration, a few seconds
 
 Why this benchmark: partial rollout's only claim is speed -- a synchronous GRPO step waits for its longest sample,
 and while the long tail finishes the engine runs a handful of requests, far below its batched throughput. This
@@ -62,14 +62,12 @@ import numpy as np
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-from benchmarks._machine import cpu_name  # noqa: E402
-from verl_partial.core.finish import Finish, finish_mapper  # noqa: E402
-from verl_partial.core.partial_config import PartialConfig  # noqa: E402
-from verl_partial.core.pool import GroupState, RolloutPool, SegmentRequest  # noqa: E402
-from verl_partial.core.scheduler import SegmentResult, run_step  # noqa: E402
-from verl_partial.cpu_backend.engine import CpuBatchedEngine, EngineStats, SamplingParams  # noqa: E402
+from benchmarks._machine import cpu_name
+from verl_partial.core.finish import Finish, finish_mapper
+from verl_partial.core.partial_config import PartialConfig
+from verl_partial.core.pool import GroupState, RolloutPool, SegmentRequest
+from verl_partial.core.scheduler import SegmentResult, run_step
+from verl_partial.cpu_backend.engine import CpuBatchedEngine, EngineStats, SamplingParams
 
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 VOCAB = 512
@@ -561,7 +559,7 @@ def main(argv: list[str] | None = None) -> Report:
     }
     workload = replace(workload, **overrides)
     report = asyncio.run(run(workload))
-    command = "python benchmarks/bench_partial_rollout.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.bench_partial_rollout " + " ".join(argv if argv is not None else sys.argv[1:])
     text = header(report, command.strip()) + "\n\n" + tables(report)
     if args.plot:
         if plot(report, args.plot):

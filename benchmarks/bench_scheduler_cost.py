@@ -1,8 +1,8 @@
 """Driver CPU cost of the partial-rollout scheduler itself at job size.
 
-    python benchmarks/bench_scheduler_cost.py 512          # prompts per step; n = 16, extra groups = prompts / 8
-    python benchmarks/bench_scheduler_cost.py 512 --prof   # with a profile of the top functions
-    python benchmarks/bench_scheduler_cost.py 512 --default  # the +partial=default settings (wait + refill)
+    python -m benchmarks.bench_scheduler_cost 512          # prompts per step; n = 16, extra groups = prompts / 8
+    python -m benchmarks.bench_scheduler_cost 512 --prof   # with a profile of the top functions
+    python -m benchmarks.bench_scheduler_cost 512 --default  # the +partial=default settings (wait + refill)
 
 The real ``run_step`` and ``RolloutPool`` (pure core) drive a backend that answers each call after a virtual delay
 proportional to its length (lognormal, median 6k tokens, cap 16k, 30 tokens/s per request, 8 servers) on a
