@@ -1,8 +1,8 @@
 """Benchmark: group-preserving balancing from small to large m, side by side with the alternatives.
 
-    python benchmarks/bench_balance.py                          # markdown tables on stdout
-    python benchmarks/bench_balance.py --compare-rev a36cd3d    # add a column for the balancer at that git rev
-    python benchmarks/bench_balance.py --out docs/balance.md    # also replace the block between the
+    python -m benchmarks.bench_balance                          # markdown tables on stdout
+    python -m benchmarks.bench_balance --compare-rev a36cd3d    # add a column for the balancer at that git rev
+    python -m benchmarks.bench_balance --out docs/balance.md    # also replace the block between the
                                                                 # <!-- bench:start/end --> markers
 
 m = mini-batch samples / dp ranks (rows each rank trains per optimizer step). Efficiency of a layout =
@@ -60,20 +60,19 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from omegaconf import OmegaConf  # noqa: E402
-from verl import DataProto  # noqa: E402
-from verl.trainer.ppo.ray_trainer import RayPPOTrainer  # noqa: E402
-from verl.utils.seqlen_balancing import calculate_workload, get_seqlen_balanced_partitions  # noqa: E402
+from omegaconf import OmegaConf
+from verl import DataProto
+from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+from verl.utils.seqlen_balancing import calculate_workload, get_seqlen_balanced_partitions
 
-from benchmarks._machine import cpu_name  # noqa: E402
-from verl_partial.core.balance import balance_groups  # noqa: E402
-from verl_partial.core.balance_bound import efficiency_lower_bound  # noqa: E402
-from verl_partial.core.balance_config import BalanceConfig  # noqa: E402
-from verl_partial.core.balance_eval import evaluate_permutation  # noqa: E402
-from verl_partial.core.balance_ranks import assign_ranks  # noqa: E402
-from verl_partial.glue.balance import balance_batch_by_group  # noqa: E402
+from benchmarks._machine import cpu_name
+from verl_partial.core.balance import balance_groups
+from verl_partial.core.balance_bound import efficiency_lower_bound
+from verl_partial.core.balance_config import BalanceConfig
+from verl_partial.core.balance_eval import evaluate_permutation
+from verl_partial.core.balance_ranks import assign_ranks
+from verl_partial.glue.balance import balance_batch_by_group
 
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 REPO = Path(__file__).resolve().parents[1]
