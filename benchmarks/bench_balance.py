@@ -59,8 +59,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
-
-
 from omegaconf import OmegaConf
 from verl import DataProto
 from verl.trainer.ppo.ray_trainer import RayPPOTrainer
