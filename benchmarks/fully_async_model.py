@@ -1,7 +1,7 @@
 """verl fully_async's rollouter and trainer, run against the simulated vLLM servers (the simulator's validation).
 
 Benchmark code, not product: it serves ``benchmarks/sim_validate_fully_async.py`` and is checked by
-``tests/benchmarks/test_fully_async_model.py``.
+``tests/bench/test_fully_async_model.py``.
 
 The published staleness ablation we validate against (verl ``docs/advance/fully_async.md``) comes from verl's
 ``fully_async_policy``, not from a step-synchronous colocated loop like ours. Its rollouter streams: it keeps at most
