@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import types
-import typing
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
@@ -18,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from verl_partial.core.balance_config import BalanceConfig
 from verl_partial.core.finish import check_model_len, finish_mapper
-from verl_partial.core.partial_config import PartialConfig
+from verl_partial.core.partial_config import STATE_FILE, PartialConfig
 from verl_partial.core.pool import check_carry_fits
 from verl_partial.cpu_backend.config import BackendConfig
 
@@ -45,39 +43,14 @@ def block_values(config: DictConfig | dict[str, Any], block: str) -> dict[str, A
 
 
 def block_to_dataclass(config: DictConfig | dict[str, Any], block: str, cls: type[T]) -> T:
-    """Build ``cls`` from ``config[block]``; unknown keys are an error naming ``block.key``."""
+    """Build ``cls`` from ``config[block]``; unknown keys are an error naming ``block.key``, bad values are refused
+    by the dataclass itself, naming ``block.key`` and the allowed values."""
     values = block_values(config, block)
     known = {field.name for field in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
         raise ValueError(f"unknown key(s) {[f'{block}.{key}' for key in unknown]}; allowed keys: {sorted(known)}")
-    hints = typing.get_type_hints(cls)
-    for key, value in values.items():
-        _check_type(f"{block}.{key}", value, hints[key])
-    return cls(**values)
-
-
-_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-
-
-def _check_type(key: str, value: Any, hint: Any) -> None:
-    """``value`` must be of the field's declared scalar type: YAML's ``"false"`` or ``1.5`` for an int fail here."""
-    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-    for option in options:
-        if option is type(None) and value is None:
-            return
-        if option is bool and isinstance(value, bool):
-            return
-        if option is int and isinstance(value, int) and not isinstance(value, bool):
-            return
-        if option is float and isinstance(value, int | float) and not isinstance(value, bool):
-            return
-        if option is str and isinstance(value, str):
-            return
-        if option not in (bool, int, float, str, type(None)):
-            return  # not a scalar field: the dataclass validates it
-    allowed = " or ".join("null" if option is type(None) else _TYPE_NAMES[option] for option in options)
-    raise ValueError(f"{key} must be {allowed}, got {value!r}")
+    return cls(**values)  # the dataclass checks types and values (verl_partial.core.config_checks)
 
 
 def backend_config(config: DictConfig) -> BackendConfig | None:
@@ -92,6 +65,13 @@ def partial_config(config: DictConfig) -> PartialConfig | None:
         return None
     parsed = block_to_dataclass(config, "partial", PartialConfig)
     return parsed if parsed.enable else None
+
+
+def balance_config(config: DictConfig) -> BalanceConfig | None:
+    """The typed ``balance`` block, or None without ``+balance=...``."""
+    if config.get("balance") is None:
+        return None
+    return block_to_dataclass(config, "balance", BalanceConfig)
 
 
 # Agent loops partial rollout can park and resume: verl's single-turn loop and verl's tool agent loop.
@@ -278,11 +258,11 @@ def check_correction_against_trainer(config: DictConfig, correction: Any, *, par
         calculate_log_probs=bool(config.actor_rollout_ref.rollout.get("calculate_log_probs", False)),
         policy_loss_mode=policy_loss.get("loss_mode", "vanilla"),
     )
-    if correction.max_token_staleness is not None and not partial_enabled:
+    if correction.max_staleness is not None and not partial_enabled:
         raise ValueError(
-            f"{BLOCK}.max_token_staleness={correction.max_token_staleness} needs +partial: token ages come from the "
+            f"{BLOCK}.max_staleness={correction.max_staleness} needs +partial: token ages come from the "
             f"per-token policy versions partial rollout records. Add +partial=default, or set "
-            f"{BLOCK}.max_token_staleness=null"
+            f"{BLOCK}.max_staleness=null"
         )
     choice = _selected_group_option(BLOCK)
     if choice is not None and choice != correction.preset:
@@ -326,8 +306,6 @@ def check_resume_keeps_partial(config: DictConfig, *, partial_enabled: bool) -> 
     folder = _resume_folder(config.trainer)
     if folder is None:
         return
-    from verl_partial.glue.partial_rollout import STATE_FILE
-
     state = os.path.join(folder, STATE_FILE)
     if os.path.exists(state):
         raise ValueError(

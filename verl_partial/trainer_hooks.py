@@ -12,7 +12,7 @@ import logging
 import os
 from typing import Any
 
-from verl_partial.config import correction_config, partial_config, validate_root_config
+from verl_partial.config import balance_config, correction_config, partial_config, validate_root_config
 
 logger = logging.getLogger("verl_partial")
 
@@ -95,7 +95,7 @@ def staleness_aware_correction(batch: Any) -> dict[str, float]:
     metrics: dict[str, float] = {}
     if _correction.log_by_lag:
         metrics.update(compute_lag_split_metrics(batch, _correction, meta["version"]))
-    if _correction.max_token_staleness is not None:
+    if _correction.max_staleness is not None:
         metrics.update(apply_staleness_mask(batch, _correction, meta["version"]))
     return metrics
 
@@ -107,16 +107,6 @@ def add_step_metrics(batch: Any, metrics: dict[str, float]) -> None:
     if metrics:
         payload = batch.meta_info.setdefault(META_KEY, {})
         payload.setdefault("metrics", {}).update(metrics)
-
-
-def balance_config(config: Any):
-    """The typed ``balance`` block, or None without ``+balance=...``."""
-    from verl_partial.config import block_to_dataclass
-    from verl_partial.core.balance_config import BalanceConfig
-
-    if config.get("balance") is None:
-        return None
-    return block_to_dataclass(config, "balance", BalanceConfig)
 
 
 def balance_batch(

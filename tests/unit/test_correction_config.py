@@ -23,7 +23,10 @@ from verl.utils.config import omega_conf_to_dataclass
 
 from verl_partial.config import correction_config
 from verl_partial.core.correction import (
+    BYPASS_LOSS_MODE,
+    DEFAULT_PRESET,
     PRESET_NAMES,
+    RENAMED_KEYS,
     RS_MODES,
     SEED_PRESET_NAMES,
     VERL_PRESET_NAMES,
@@ -119,38 +122,54 @@ def test_every_preset_has_a_yaml_and_every_yaml_is_a_preset() -> None:
     assert sorted(path.stem for path in YAML_DIR.glob("*.yaml")) == sorted(PRESET_NAMES)
 
 
+def _compose(*overrides: str) -> DictConfig:
+    """What ``main_ppo <overrides>`` composes (real Hydra, verl's ppo_trainer, our groups)."""
+    with initialize_config_dir(config_dir=str(VERL_CONFIG_DIR), version_base=None):
+        return compose(
+            config_name="ppo_trainer", overrides=[f"hydra.searchpath=[file://{REPO / 'hydra_configs'}]", *overrides]
+        )
+
+
 @pytest.mark.parametrize("name", PRESET_NAMES)
-def test_yaml_mirrors_the_preset_field_by_field(name: str) -> None:
-    path = YAML_DIR / f"{name}.yaml"
-    assert path.read_text().splitlines()[0] == "# @package _global_"
-    loaded = OmegaConf.to_container(OmegaConf.load(path))
-    block = loaded["rollout_correction"]
-    assert list(block) == FIELDS
+def test_yaml_composes_to_the_preset_field_by_field(name: str) -> None:
+    config = _compose(f"+rollout_correction={name}")
+    block = OmegaConf.to_container(config.rollout_correction)
+    # Every field, in the dataclass's order, then the deprecated alias (null: it changes nothing).
+    assert list(block) == [*FIELDS, *RENAMED_KEYS] and all(block[old] is None for old in RENAMED_KEYS)
     expected = preset(name)
     for field in FIELDS:
         assert block[field] == getattr(expected, field), field
-    assert RolloutCorrectionConfig(**block) == expected
-    policy_loss = {"rollout_correction": "${algorithm.rollout_correction}"}
-    if expected.bypass_mode:
-        policy_loss["loss_mode"] = "bypass_mode"
-    assert loaded["actor_rollout_ref"] == {
-        "rollout": {"calculate_log_probs": True},
-        "actor": {"policy_loss": policy_loss},
+    assert correction_config(config) == expected
+    policy_loss = config.actor_rollout_ref.actor.policy_loss
+    assert policy_loss.loss_mode == (BYPASS_LOSS_MODE if expected.bypass_mode else "vanilla")
+    # verl's own keys hold the preset's values, for the driver's copy and the bypass loss alike.
+    verl_keys = OmegaConf.to_container(config.algorithm.rollout_correction, resolve=True)
+    assert verl_keys == to_verl_fields(expected)
+    assert OmegaConf.to_container(policy_loss.rollout_correction, resolve=True) == verl_keys
+    assert config.actor_rollout_ref.rollout.calculate_log_probs is True
+
+
+@pytest.mark.parametrize("name", sorted(set(PRESET_NAMES) - {DEFAULT_PRESET}))
+def test_yaml_restates_only_what_differs_from_disabled(name: str) -> None:
+    """The ~20 shared lines (verl's keys, the hand-over to the bypass loss) live in disabled.yaml alone."""
+    path = YAML_DIR / f"{name}.yaml"
+    assert path.read_text().splitlines()[0] == "# @package _global_"
+    raw = OmegaConf.to_container(OmegaConf.load(path))
+    assert raw.pop("defaults") == [f"/rollout_correction/{DEFAULT_PRESET}", "_self_"]
+    expected, disabled = preset(name), preset(DEFAULT_PRESET)
+    assert raw.pop("rollout_correction") == {
+        field: getattr(expected, field) for field in FIELDS if getattr(expected, field) != getattr(disabled, field)
     }
-    # verl's own block: the same interpolations in every preset, so the values come from ours alone.
-    assert loaded["algorithm"] == OmegaConf.to_container(OmegaConf.load(YAML_DIR / "token_is.yaml"))["algorithm"]
-    assert set(loaded) == {"rollout_correction", "actor_rollout_ref", "algorithm"}
+    assert raw == (
+        {"actor_rollout_ref": {"actor": {"policy_loss": {"loss_mode": BYPASS_LOSS_MODE}}}}
+        if expected.bypass_mode
+        else {}
+    )
 
 
 def test_hydra_selects_a_preset_and_takes_overrides() -> None:
     """``main_ppo +rollout_correction=seq_is_rs rollout_correction.is_threshold=3.0``, composed like verl does."""
-    overrides = [
-        f"hydra.searchpath=[file://{REPO / 'hydra_configs'}]",
-        "+rollout_correction=seq_is_rs",
-        "rollout_correction.is_threshold=3.0",
-    ]
-    with initialize_config_dir(config_dir=str(VERL_CONFIG_DIR), version_base=None):
-        config = compose(config_name="ppo_trainer", overrides=overrides)
+    config = _compose("+rollout_correction=seq_is_rs", "rollout_correction.is_threshold=3.0")
     assert correction_config(config) == dataclasses.replace(preset("seq_is_rs"), is_threshold=3.0)
     assert OmegaConf.to_container(config.algorithm.rollout_correction, resolve=True) == {
         **_verl_fields(VerlConfig.decoupled_seq_is_rs()),
@@ -169,6 +188,27 @@ def test_from_mapping_starts_from_the_named_preset() -> None:
     assert from_mapping({"preset": "token_is", "is_threshold": 5}).is_threshold == 5
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['rollout_correction.rollout_is'\]; allowed keys"):
         from_mapping({"preset": "token_is", "rollout_is": "token"})
+
+
+def test_the_old_staleness_key_still_works_and_warns_naming_both_keys() -> None:
+    with pytest.warns(
+        FutureWarning,
+        match=r"rollout_correction.max_token_staleness is deprecated.*"
+        r"rollout_correction.max_staleness",
+    ):
+        assert from_mapping({"preset": "token_is", "max_token_staleness": 1}).max_staleness == 1
+    with pytest.raises(ValueError, match=r"rollout_correction.max_token_staleness must be unset or equal to "):
+        with pytest.warns(FutureWarning):
+            from_mapping({"max_token_staleness": 1, "max_staleness": 2})
+    with pytest.warns(FutureWarning, match="max_token_staleness is deprecated: use max_staleness"):
+        assert preset("disabled").max_token_staleness is None  # code reading the old attribute
+
+
+def test_the_old_staleness_key_overrides_the_preset_on_the_command_line() -> None:
+    """``rollout_correction.max_token_staleness=1`` (no ``+``) as written before the rename."""
+    config = _compose("+rollout_correction=token_is", "rollout_correction.max_token_staleness=1")
+    with pytest.warns(FutureWarning, match="use rollout_correction.max_staleness"):
+        assert correction_config(config) == dataclasses.replace(preset("token_is"), max_staleness=1)
 
 
 @pytest.mark.parametrize(
@@ -212,10 +252,10 @@ def test_from_mapping_starts_from_the_named_preset() -> None:
         ({"loss_type": "pg"}, r"rollout_correction.loss_type must be one of \['ppo_clip', 'reinforce'\]"),
         ({"loss_type": "reinforce"}, "rollout_correction.loss_type must be 'ppo_clip' when bypass_mode is false"),
         ({"bypass_mode": True, "is_level": "token"}, "rollout_correction.is_level must be null with bypass_mode=true"),
-        ({"bypass_mode": "yes"}, "rollout_correction.bypass_mode must be true or false"),
-        ({"max_token_staleness": -1}, "rollout_correction.max_token_staleness must be null or an integer >= 0"),
-        ({"max_token_staleness": 1.5}, "rollout_correction.max_token_staleness must be null or an integer >= 0"),
-        ({"log_by_lag": "yes"}, "rollout_correction.log_by_lag must be true or false"),
+        ({"bypass_mode": "yes"}, r"rollout_correction.bypass_mode must be a bool \(true or false\), got 'yes'"),
+        ({"max_staleness": -1}, "rollout_correction.max_staleness must be null or an integer >= 0"),
+        ({"max_staleness": 1.5}, "rollout_correction.max_staleness must be null or an integer, got 1.5"),
+        ({"log_by_lag": "yes"}, r"rollout_correction.log_by_lag must be a bool \(true or false\)"),
     ],
 )
 def test_invalid_values_name_the_key_and_the_allowed_values(overrides: dict[str, object], message: str) -> None:
@@ -232,7 +272,7 @@ def test_check_against_trainer() -> None:
     with pytest.raises(ValueError, match="actor_rollout_ref.rollout.calculate_log_probs must be true"):
         check_against_trainer(preset("seq_is_rs"), calculate_log_probs=False, policy_loss_mode="vanilla")
     with pytest.raises(ValueError, match="actor_rollout_ref.rollout.calculate_log_probs must be true"):
-        stale_only = dataclasses.replace(preset("disabled"), max_token_staleness=2)
+        stale_only = dataclasses.replace(preset("disabled"), max_staleness=2)
         check_against_trainer(stale_only, calculate_log_probs=False, policy_loss_mode="vanilla")
     with pytest.raises(ValueError, match="policy_loss.loss_mode must be 'bypass_mode'"):
         check_against_trainer(preset("pure_is"), calculate_log_probs=True, policy_loss_mode="gspo")

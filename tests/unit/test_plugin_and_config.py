@@ -1,11 +1,13 @@
-"""Registration with verl, the version guard, and fail-fast validation of our config blocks.
+"""Registration with verl, the version guard, our presets against their typed definitions, and fail-fast
+validation of our config blocks.
 
-Configs are verl's own generated ``ppo_trainer`` config merged with our Hydra group files, i.e. what
-``python -m verl.trainer.main_ppo +group=option`` composes.
+Configs are composed by real Hydra from verl's ``ppo_trainer`` and our groups, i.e. what
+``python -m verl.trainer.main_ppo +group=option`` composes (our presets inherit through Hydra ``defaults:``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import warnings
 from pathlib import Path
@@ -13,19 +15,26 @@ from types import SimpleNamespace
 
 import pytest
 import verl
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
 from omegaconf import OmegaConf
 
 from verl_partial import verl_patches
-from verl_partial.config import validate_root_config
+from verl_partial.config import balance_config, partial_config, validate_root_config
+from verl_partial.core import balance_config as balance_module
+from verl_partial.core import partial_config as partial_module
+from verl_partial.core.partial_config import PartialConfig
 
 REPO = Path(__file__).resolve().parents[2]
-VERL_CONFIG = Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml"
+GROUPS = REPO / "hydra_configs"
+VERL_CONFIG_DIR = Path(verl.__file__).parent / "trainer" / "config"
 
 
 def compose(*groups: str, **dotted: object):
-    config = OmegaConf.load(VERL_CONFIG)
-    for group in groups:
-        config = OmegaConf.merge(config, OmegaConf.load(REPO / "hydra_configs" / f"{group}.yaml"))
+    """verl's ``ppo_trainer`` with ``+group=option`` for each ``group/option``, then ``a__b=value`` set as ``a.b``."""
+    overrides = [f"hydra.searchpath=[file://{GROUPS}]", *(f"+{group.replace('/', '=')}" for group in groups)]
+    with initialize_config_dir(config_dir=str(VERL_CONFIG_DIR), version_base=None):
+        config = hydra_compose(config_name="ppo_trainer", overrides=overrides)
     for key, value in dotted.items():
         OmegaConf.update(config, key.replace("__", "."), value, force_add=True)
     return config
@@ -75,9 +84,40 @@ def test_a_failed_install_warns_and_then_refuses_configs_that_need_it(monkeypatc
     assert plugin.LOAD_ERROR is None
 
 
+def test_the_typed_default_is_the_default_preset():
+    """Code building ``PartialConfig()`` (the simulator, tests, benchmarks) gets what ``+partial=default`` runs."""
+    assert PartialConfig() == partial_module.PRESETS["default"] == partial_config(compose("partial/default"))
+
+
+@pytest.mark.parametrize(
+    ("group", "presets", "parse"),
+    [("partial", partial_module.PRESETS, partial_config), ("balance", balance_module.PRESETS, balance_config)],
+)
+def test_every_preset_yaml_composes_to_its_typed_definition(group, presets, parse):
+    """Each ``+group=name`` gives exactly ``PRESETS[name]``, field by field, and nothing else is a preset."""
+    assert sorted(path.stem for path in (GROUPS / group).glob("*.yaml")) == sorted(presets)
+    for name, expected in presets.items():
+        block = OmegaConf.to_container(compose(f"{group}/{name}")[group])
+        assert list(block) == [field.name for field in dataclasses.fields(expected)], name
+        for key, value in block.items():
+            assert value == getattr(expected, key), f"{group}/{name}.yaml: {group}.{key}"
+        assert parse(compose(f"{group}/{name}")) == expected
+
+
+@pytest.mark.parametrize("name", sorted(set(partial_module.PRESETS) - {"default"}))
+def test_partial_presets_restate_only_what_differs_from_default(name):
+    """The shared keys (and the trainer wiring) come from ``default.yaml`` through Hydra ``defaults:``."""
+    raw = OmegaConf.to_container(OmegaConf.load(GROUPS / "partial" / f"{name}.yaml"))
+    assert raw.pop("defaults") == ["/partial/default", "_self_"]
+    assert list(raw) == ["partial"], "the trainer wiring belongs to default.yaml"
+    default = partial_module.PRESETS["default"]
+    assert all(value != getattr(default, key) for key, value in raw["partial"].items()), raw["partial"]
+
+
 def test_our_presets_validate_cleanly():
     validate_root_config(compose("backend/cpu", "partial/default", "balance/group", "rollout_correction/seq_is_rs"))
-    validate_root_config(compose("partial/kimi"))
+    for name in partial_module.PRESETS:
+        validate_root_config(compose(f"partial/{name}"))
 
 
 @pytest.mark.parametrize(
@@ -94,12 +134,14 @@ def test_our_presets_validate_cleanly():
         ({"partial__extra_groups": -2}, "partial.extra_groups"),
         ({"partial__staleness_policy": "ignore"}, r"partial.staleness_policy must be one of \['restart'"),
         ({"partial__no_such_knob": 1}, r"partial.no_such_knob"),
+        ({"partial__schedule": "shortest_first"}, r"partial.schedule must be one of \['fifo', 'longest_first'\]"),
+        ({"partial__refill": "yes"}, r"partial.refill must be a bool \(true or false\), got 'yes'"),
         (
-            {"partial__staleness_policy": "wait", "partial__refill": False, "partial__extra_groups": 100_000},
+            {"partial__refill": False, "partial__extra_groups": 100_000},
             r"partial\.extra_groups must be <= partial\.max_staleness x data\.train_batch_size",
         ),
         (
-            {"partial__staleness_policy": "wait", "partial__refill": True, "partial__extra_groups": 4},
+            {"partial__extra_groups": 4},
             r"partial\.extra_groups must be 0 with partial\.refill=true",
         ),
     ],
@@ -134,7 +176,7 @@ def test_correction_without_rollout_log_probs_fails_naming_the_key():
 
 
 def test_backend_name_is_validated():
-    with pytest.raises(ValueError, match=r"backend.name must be one of \[.cpu., .cpu_vllm.\]"):
+    with pytest.raises(ValueError, match=r"backend.name must be one of \[.cpu., .cpu_vllm."):
         validate_root_config(compose("backend/cpu", backend__name="tpu"))
 
 

@@ -19,15 +19,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
+
+from verl_partial.core.config_checks import check_types, choices, rename_deprecated, require
 
 BLOCK = "rollout_correction"
 
-IS_LEVELS = ("token", "sequence")
+IsLevel = Literal["token", "sequence"]
 # verl 0.9.1 rollout_corr_helper.SUPPORTED_ROLLOUT_RS_OPTIONS, in its documented order.
-RS_MODES = (
+RsMode = Literal[
     "token_k1",
     "token_k2",
     "token_k3",
@@ -39,8 +42,11 @@ RS_MODES = (
     "seq_mean_k3",
     "seq_max_k2",
     "seq_max_k3",
-)
-LOSS_TYPES = ("ppo_clip", "reinforce")
+]
+LossType = Literal["ppo_clip", "reinforce"]
+IS_LEVELS: tuple[str, ...] = choices(IsLevel)
+RS_MODES: tuple[str, ...] = choices(RsMode)
+LOSS_TYPES: tuple[str, ...] = choices(LossType)
 # The actor loss mode that runs verl's bypass correction; the bypass presets write it into the composed config.
 BYPASS_LOSS_MODE = "bypass_mode"
 # Smallest k2/k3 divergence bound accepted: on-policy fp32 data already differs by ~1e-4 in log-prob between
@@ -76,81 +82,95 @@ VERL_PRESET_NAMES = (
 )
 PRESET_NAMES = SEED_PRESET_NAMES + tuple(name for name in VERL_PRESET_NAMES if name not in SEED_PRESET_NAMES)
 DEFAULT_PRESET = "disabled"
+#: Keys of the ``rollout_correction`` block renamed (old -> new); the old names still work, with a FutureWarning.
+#: ``max_staleness`` is the one name of the staleness bound, as in ``partial.max_staleness``.
+RENAMED_KEYS: dict[str, str] = {"max_token_staleness": "max_staleness"}
 
 
 @dataclass(frozen=True)
 class RolloutCorrectionConfig:
-    """One rollout-correction setup; ``RolloutCorrectionConfig()`` equals ``preset("disabled")``.
-
-    Attributes:
-        preset: name of the preset the values started from (a label; the fields below are what
-            counts). Selecting a preset in YAML and overriding single keys keeps the label.
-        is_level: importance-sampling weights per ``"token"`` or per ``"sequence"`` (product of the
-            token ratios), or ``None`` for no IS weights. verl: ``rollout_is``.
-        is_threshold: upper bound of the IS weight. Alone it truncates (TIS: w = min(r, upper));
-            with ``is_threshold_lower`` it masks (IcePop: w = r inside [lower, upper], else 0).
-            verl: ``rollout_is_threshold``.
-        is_threshold_lower: IcePop lower bound on r, or ``None`` for truncation.
-        is_batch_normalize: rescale IS weights to mean 1 over the batch. verl:
-            ``rollout_is_batch_normalize``.
-        rs_mode: rejection-sampling statistic, one of ``RS_MODES`` or ``None``. ``token_*`` masks
-            single tokens; ``seq_sum_*`` / ``seq_mean_*`` / ``seq_max_*`` mask whole sequences.
-            k1 = -log r (ratio modes), k2 = ½(log r)², k3 = r - 1 - log r (divergences). verl:
-            ``rollout_rs``.
-        rs_threshold: for k1 modes the upper bound on the ratio (r for token_k1, Π r for seq_sum_k1,
-            the geometric mean exp(mean log r) for seq_mean_k1); for k2/k3 modes the largest
-            divergence kept.
-        rs_threshold_lower: k1 modes only: the lower bound on that ratio; ``None`` means
-            1 / rs_threshold.
-        rs_token_veto: reject a whole sequence if any of its tokens has r < veto (or r > 1/veto),
-            the nearest verl 0.9 equivalent of the seed-era veto; ``None`` disables it.
-        bypass_mode: reuse the rollout log-probs as π_old (two policies, no old-log-prob pass);
-            correction then runs inside the actor's loss against the current policy.
-        loss_type: bypass mode's loss: ``"ppo_clip"`` (the PPO ratio π_θ/π_rollout is the IS
-            correction) or ``"reinforce"`` (explicit IS weights, no clipping).
-        max_token_staleness: train no token generated more than this many policy versions before
-            the policy being trained (xtuner-style token mask); ``None`` disables the mask.
-        log_by_lag: also log the rollout-correction metrics split by token policy-version lag.
-    """
+    """One rollout-correction setup; ``RolloutCorrectionConfig()`` equals ``preset("disabled")``."""
 
     preset: str = DEFAULT_PRESET
-    is_level: str | None = None
+    """Name of the preset the values started from (a label; the other keys are what counts): a seed-era name or
+    any verl 0.9.1 ``RolloutCorrectionConfig`` classmethod name, as listed under ``hydra_configs/rollout_correction``.
+    Selecting a preset and overriding single keys keeps the label."""
+
+    is_level: IsLevel | None = None
+    """Importance-sampling weights per ``token`` or per ``sequence`` (product of the token ratios), or ``null`` for
+    no IS weights. verl: ``rollout_is``."""
+
     is_threshold: float = 2.0
+    """Upper bound of the IS weight, >= 1. Alone it truncates (TIS: w = min(r, upper)); with
+    ``is_threshold_lower`` it masks (IcePop: w = r inside [lower, upper], else 0). verl:
+    ``rollout_is_threshold``."""
+
     is_threshold_lower: float | None = None
+    """IcePop lower bound on r, in (0, 1], or ``null`` for truncation."""
+
     is_batch_normalize: bool = False
-    rs_mode: str | None = None
+    """Rescale IS weights to mean 1 over the batch. verl: ``rollout_is_batch_normalize``."""
+
+    rs_mode: RsMode | None = None
+    """Rejection-sampling statistic, or ``null``. ``token_*`` masks single tokens; ``seq_sum_*`` / ``seq_mean_*`` /
+    ``seq_max_*`` mask whole sequences. k1 = -log r (ratio modes), k2 = ½(log r)², k3 = r - 1 - log r
+    (divergences). verl: ``rollout_rs``."""
+
     rs_threshold: float | None = None
+    """For k1 modes the upper bound on the ratio (r for token_k1, Π r for seq_sum_k1, the geometric mean
+    exp(mean log r) for seq_mean_k1); for k2/k3 modes the largest divergence kept. ``null`` without ``rs_mode``."""
+
     rs_threshold_lower: float | None = None
+    """k1 modes only: the lower bound on that ratio; ``null`` means 1 / rs_threshold."""
+
     rs_token_veto: float | None = None
+    """Reject a whole sequence if any of its tokens has r < veto (or r > 1/veto), the nearest verl 0.9 equivalent
+    of the seed-era veto; ``null`` disables it."""
+
     bypass_mode: bool = False
-    loss_type: str = "ppo_clip"
-    max_token_staleness: int | None = None
+    """Reuse the rollout log-probs as π_old (two policies, no old-log-prob pass); correction then runs inside the
+    actor's loss against the current policy. The bypass presets also set
+    ``actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode``."""
+
+    loss_type: LossType = "ppo_clip"
+    """Bypass mode's loss: ``ppo_clip`` (the PPO ratio π_θ/π_rollout is the IS correction) or ``reinforce``
+    (explicit IS weights, no clipping). Must be ``ppo_clip`` without bypass."""
+
+    max_staleness: int | None = None
+    """Train no token generated more than this many policy versions before the policy being trained (xtuner-style
+    token mask, counted in ``rollout_corr/stale_tokens_masked``); ``null`` disables the mask. Needs ``+partial``,
+    which records each token's policy version. The same bound as ``partial.max_staleness``, enforced at training
+    instead of at rollout. Formerly ``rollout_correction.max_token_staleness``."""
+
     log_by_lag: bool = True
+    """Also log the rollout-correction metrics split by token policy-version lag."""
 
     def __post_init__(self) -> None:
         self.validate()
 
+    @property
+    def max_token_staleness(self) -> int | None:
+        """Deprecated name of ``max_staleness`` (reading it warns); kept for code written against it."""
+        warnings.warn(
+            "RolloutCorrectionConfig.max_token_staleness is deprecated: use max_staleness", FutureWarning, stacklevel=2
+        )
+        return self.max_staleness
+
     def validate(self) -> None:
         """Raise ValueError naming ``rollout_correction.<field>`` and its allowed values."""
+        check_types(self, BLOCK)
         _require(self.preset in PRESET_NAMES, "preset", f"one of {list(PRESET_NAMES)}", self.preset)
         self._validate_importance_sampling()
         self._validate_rejection_sampling()
         self._validate_mode()
         _require(
-            self.max_token_staleness is None or (_is_int(self.max_token_staleness) and self.max_token_staleness >= 0),
-            "max_token_staleness",
+            self.max_staleness is None or self.max_staleness >= 0,
+            "max_staleness",
             "null or an integer >= 0",
-            self.max_token_staleness,
+            self.max_staleness,
         )
-        _require(isinstance(self.log_by_lag, bool), "log_by_lag", "true or false", self.log_by_lag)
 
     def _validate_importance_sampling(self) -> None:
-        _require(
-            self.is_level is None or self.is_level in IS_LEVELS,
-            "is_level",
-            f"null or one of {list(IS_LEVELS)}",
-            self.is_level,
-        )
         # An upper bound below 1 would cap (or mask) every weight below the on-policy value 1.
         _require(
             _is_number(self.is_threshold) and self.is_threshold >= 1.0,
@@ -171,9 +191,6 @@ class RolloutCorrectionConfig:
                 f"below is_threshold={self.is_threshold} (an empty IcePop band [lower, upper] masks every token)",
                 self.is_threshold_lower,
             )
-        _require(
-            isinstance(self.is_batch_normalize, bool), "is_batch_normalize", "true or false", self.is_batch_normalize
-        )
         if self.is_level is None:
             _require(
                 self.is_threshold_lower is None,
@@ -189,12 +206,6 @@ class RolloutCorrectionConfig:
             )
 
     def _validate_rejection_sampling(self) -> None:
-        _require(
-            self.rs_mode is None or self.rs_mode in RS_MODES,
-            "rs_mode",
-            f"null or one of {list(RS_MODES)}",
-            self.rs_mode,
-        )
         if self.rs_mode is None:
             _require(
                 self.rs_threshold is None,
@@ -253,8 +264,6 @@ class RolloutCorrectionConfig:
             )
 
     def _validate_mode(self) -> None:
-        _require(isinstance(self.bypass_mode, bool), "bypass_mode", "true or false", self.bypass_mode)
-        _require(self.loss_type in LOSS_TYPES, "loss_type", f"one of {list(LOSS_TYPES)}", self.loss_type)
         if not self.bypass_mode:
             _require(
                 self.loss_type == "ppo_clip",
@@ -279,7 +288,7 @@ class RolloutCorrectionConfig:
             or self.rs_mode is not None
             or self.rs_token_veto is not None
             or self.bypass_mode
-            or self.max_token_staleness is not None
+            or self.max_staleness is not None
         )
 
 
@@ -298,6 +307,7 @@ def from_mapping(values: Mapping[str, Any]) -> RolloutCorrectionConfig:
     So ``{preset: seq_is_rs}`` alone selects the preset, and a full block (as written by our YAML
     group, possibly with command-line overrides) yields exactly its values.
     """
+    values = rename_deprecated(values, BLOCK, RENAMED_KEYS)
     known = {field.name for field in dataclasses.fields(RolloutCorrectionConfig)}
     unknown = sorted(set(values) - known)
     if unknown:
@@ -400,16 +410,12 @@ def _bounds_of_verl_k1(lower: float, upper: float) -> dict[str, float]:
 
 
 def _is_number(value: object) -> bool:
+    """A finite number (``check_types`` has already refused non-numbers in number fields; this refuses inf, nan)."""
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _require(ok: bool, field: str, allowed: str, value: object) -> None:
-    if not ok:
-        raise ValueError(f"{BLOCK}.{field} must be {allowed}, got {value!r}")
+    require(ok, f"{BLOCK}.{field}", allowed, value)
 
 
 def _define_presets() -> None:

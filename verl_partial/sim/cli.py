@@ -11,13 +11,14 @@ The model, its sources and its validation error are in docs/gpu-projection.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import warnings
 from collections.abc import Sequence
 
-from verl_partial.core.partial_config import PartialConfig
 from verl_partial.sim.engine import ServerSpec
 from verl_partial.sim.hardware import GPUS, MODELS, ModelSpec
-from verl_partial.sim.run import ceiling, mode_configs, simulate, summarize, throughput_limit
+from verl_partial.sim.run import RENAMED_MODES, ceiling, mode_configs, simulate, summarize, throughput_limit
 from verl_partial.sim.workload import Workload
 
 COLUMNS = (
@@ -60,7 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=10, help="simulated steps per mode")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the averages")
     parser.add_argument(
-        "--modes", default="sync,partial,keep,kimi,on_policy,stream", help=f"comma list of {sorted(mode_configs(4))}"
+        "--modes",
+        default="sync,restart,keep,kimi,on_policy,default",
+        help=f"comma list of {sorted(mode_configs(4))} (the +partial presets under their names, and variants)",
     )
     parser.add_argument("--extra-groups", type=int, help="override partial.extra_groups of every non-sync mode")
     parser.add_argument("--json", help="also write the rows to this JSON file")
@@ -89,7 +92,7 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     )
     servers = args.gpus // args.tp
     configs = mode_configs(args.batch)
-    modes = [mode.strip() for mode in args.modes.split(",")]
+    modes = [_current_mode_name(mode.strip()) for mode in args.modes.split(",")]
     unknown = sorted(set(modes) - set(configs))
     if unknown:
         raise ValueError(f"--modes: unknown {unknown}; allowed {sorted(configs)}")
@@ -104,7 +107,7 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     for mode in ["sync", *[m for m in modes if m != "sync"]]:
         config = configs[mode]
         if args.extra_groups is not None and mode != "sync":
-            config = PartialConfig(**{**config.__dict__, "extra_groups": args.extra_groups})
+            config = dataclasses.replace(config, extra_groups=args.extra_groups)
         runs[mode] = simulate(config, workload, spec, servers, args.steps).steady(args.warmup)
     rows = {
         mode: {
@@ -127,6 +130,19 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         with open(args.json, "w") as out:
             json.dump({"limit_tokens_per_s": limit, "rows": rows}, out, indent=2)
     return rows
+
+
+def _current_mode_name(mode: str) -> str:
+    """``mode``, or the preset name it was renamed to (with a warning naming both)."""
+    if mode not in RENAMED_MODES:
+        return mode
+    warnings.warn(
+        f"--modes {mode} is deprecated: it is the +partial={RENAMED_MODES[mode]} preset, use --modes "
+        f"{RENAMED_MODES[mode]}",
+        FutureWarning,
+        stacklevel=2,
+    )
+    return RENAMED_MODES[mode]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from verl_partial.core.on_policy import LengthEstimator
-from verl_partial.core.partial_config import PartialConfig
+from verl_partial.core.partial_config import PRESETS, PartialConfig
 from verl_partial.core.pool import RolloutPool
 from verl_partial.core.scheduler import run_step
 from verl_partial.sim.backend import SimBackend
@@ -29,30 +29,26 @@ _NO_STALLS = {"request_timeout_s": 1e9}
 
 
 def mode_configs(batch: int) -> dict[str, PartialConfig]:
-    """The modes the projection compares, as the presets in hydra_configs/partial/ define them.
+    """The modes the projection compares: every ``+partial`` preset under its name (``PRESETS``), and variants.
 
-    ``sync``: no over-provisioning, so a step waits for its slowest sample and nothing is parked -- verl's
-    synchronous rollout. ``partial``: the previous ``default`` preset (``restart``, 4 extra groups, the typed
-    ``PartialConfig`` defaults). ``keep``: that with ``staleness_policy=keep``.
-    ``kimi``: the ``kimi`` preset (per-step token budget). ``on_policy``: the ``on_policy`` preset (no token
-    from an older policy; longest expected answers start first). ``on_policy_over``: on-policy with
-    over-provisioning (unfinished samples are restarted on the new weights, their tokens thrown away). ``stream``:
-    today's ``default`` preset, streaming admission at a hard staleness bound (``staleness_policy=wait``,
-    ``refill=true``, no extra groups).
+    ``default``, ``restart``, ``kimi``, ``on_policy``: the presets of hydra_configs/partial/, as
+    ``verl_partial.core.partial_config.PRESETS`` defines them. ``sync``: ``restart`` without over-provisioning,
+    so a step waits for its slowest sample and nothing is parked -- verl's synchronous rollout. ``keep``:
+    ``restart`` with ``staleness_policy=keep``. ``on_policy_over``: ``on_policy`` with over-provisioning
+    (unfinished samples are restarted on the new weights, their tokens thrown away).
     """
+    presets = {name: dataclasses.replace(config, **_NO_STALLS) for name, config in PRESETS.items()}
     return {
-        "sync": PartialConfig(extra_groups=0, **_NO_STALLS),
-        "partial": PartialConfig(**_NO_STALLS),
-        "keep": PartialConfig(staleness_policy="keep", **_NO_STALLS),
-        "kimi": PartialConfig(
-            extra_groups=8, step_token_budget=1024, max_staleness=8, staleness_policy="keep", **_NO_STALLS
-        ),
-        "on_policy": PartialConfig(extra_groups=0, max_staleness=0, schedule="longest_first", **_NO_STALLS),
-        "stream": PartialConfig(extra_groups=0, staleness_policy="wait", refill=True, **_NO_STALLS),
-        "on_policy_over": PartialConfig(
-            extra_groups=batch // 4, max_staleness=0, schedule="longest_first", **_NO_STALLS
-        ),
+        "sync": dataclasses.replace(presets["restart"], extra_groups=0),
+        **presets,
+        "keep": dataclasses.replace(presets["restart"], staleness_policy="keep"),
+        "on_policy_over": dataclasses.replace(presets["on_policy"], extra_groups=batch // 4),
     }
+
+
+#: Mode names before they became the preset names: ``partial`` was the old default (now ``restart``), ``stream``
+#: today's (``default``). ``verl-partial simulate --modes`` still takes them, with a warning.
+RENAMED_MODES = {"partial": "restart", "stream": "default"}
 
 
 @dataclass
