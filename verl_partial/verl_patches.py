@@ -14,7 +14,7 @@ import importlib.abc
 import importlib.metadata
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from types import ModuleType
 from typing import Any
 
@@ -63,8 +63,6 @@ def install() -> None:
     if os.environ.get(VLLM_CPU_ENV) == "1":
         apply_vllm_cpu_fixes()
     if os.environ.get(ALL_REJECTED_GUARD_ENV) == "1":
-        from verl_partial.glue.correction import install_all_rejected_guard
-
         install_all_rejected_guard()
     _wrap_driver_entry()
     _wrap_trainer()
@@ -119,12 +117,18 @@ def _register_cpu_backend() -> None:
 
 
 def apply_cpu_process_fixes() -> None:
-    """Fix the three places where verl 0.9 assumes an accelerator (VERL-NOTES, blockers 3, 4, 7)."""
+    """Fix the three places where verl 0.9 assumes an accelerator.
+
+    Found by running verl 0.9.1's ``RayPPOTrainer`` on the CPU platform and described for users in
+    docs/cpu-backend.md ("Fixes for verl's accelerator assumptions"); each fix below names the verl code it
+    works around.
+    """
     import verl.utils.distributed as distributed
     from verl.workers.engine import EngineRegistry
     from verl.workers.engine.fsdp import transformer_impl
 
-    # 3. verl builds "cpu:gloo,{device}:{backend}", i.e. "cpu:gloo,cpu:gloo" on CPU, which torch rejects.
+    # verl's initialize_global_process_group_ray (verl/utils/distributed.py) builds "cpu:gloo,{device}:{backend}",
+    # i.e. "cpu:gloo,cpu:gloo" on CPU, which torch rejects.
     original_init_pg = distributed.initialize_global_process_group_ray
     if not getattr(original_init_pg, "_verl_partial", False):
 
@@ -135,7 +139,8 @@ def apply_cpu_process_fixes() -> None:
         init_process_group_gloo._verl_partial = True  # type: ignore[attr-defined]
         distributed.initialize_global_process_group_ray = init_process_group_gloo
 
-    # 4. FSDP engines are registered for cuda/npu only; they are device-generic given the platform.
+    # FSDP engines (verl/workers/engine/fsdp/transformer_impl.py) are registered for cuda/npu only; they are
+    # device-generic given the platform.
     for model_type, engine_cls in (
         ("language_model", transformer_impl.FSDPEngineWithLMHead),
         ("value_model", transformer_impl.FSDPEngineWithValueHead),
@@ -143,7 +148,8 @@ def apply_cpu_process_fixes() -> None:
         if "cpu" not in EngineRegistry._engines.get(model_type, {}).get("fsdp2", {}):
             EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device="cpu")(engine_cls)
 
-    # 7. the forward-only (ref) engine asks FSDP2 for pinned host memory, which needs an accelerator.
+    # The forward-only (ref) engine asks FSDP2 for pinned host memory (CPUOffloadPolicy(pin_memory=True) in
+    # transformer_impl.py), which needs an accelerator.
     original_policy = transformer_impl.CPUOffloadPolicy
     if not getattr(original_policy, "_verl_partial", False):
 
@@ -539,3 +545,29 @@ def _patch_rollout_corr_helper(module: ModuleType) -> None:
         return original_bypass(batch, *args, **kwargs)
 
     module.apply_bypass_mode = apply_bypass_mode
+
+
+# --------------------------------------------------------------------------------------------
+# Rollout correction: verl's policy losses guarded against micro-batches with nothing to train.
+# Installed by ``install()`` only in processes started with VERL_PARTIAL_ALL_REJECTED_GUARD=1, which the
+# driver exports when the config has a ``rollout_correction`` block; otherwise verl's losses stay as they are.
+# --------------------------------------------------------------------------------------------
+
+
+def install_all_rejected_guard(loss_modes: Iterable[str] | None = None) -> None:
+    """Guard the named (default: all registered) policy losses in verl's ``POLICY_LOSS_REGISTRY``.
+
+    The wrapper is :func:`verl_partial.glue.correction.guard_all_rejected`. verl's ``ppo_loss`` looks the
+    loss up by name on every call (``core_algos.get_policy_loss_fn``), so replacing the registry entry is
+    enough; patching the module attribute would not be. Must run in each actor worker process; idempotent.
+    Losses registered after the call are not guarded.
+    """
+    import verl
+    from verl.trainer.ppo import core_algos
+
+    from verl_partial.glue.correction import guard_all_rejected
+
+    check_verl_version(verl.__version__)  # the registry and the loss signature are verl 0.9's
+    registry = core_algos.POLICY_LOSS_REGISTRY
+    for name in list(registry) if loss_modes is None else loss_modes:
+        registry[name] = guard_all_rejected(core_algos.get_policy_loss_fn(name))

@@ -32,9 +32,9 @@ from verl_partial.glue.correction import (
     apply_staleness_mask,
     compute_lag_split_metrics,
     guard_all_rejected,
-    install_all_rejected_guard,
     to_verl_config,
 )
+from verl_partial.verl_patches import install_all_rejected_guard
 
 torch.set_num_threads(1)
 

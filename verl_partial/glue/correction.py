@@ -7,7 +7,8 @@ config itself (``verl_partial.hydra_resolvers``). Two verl 0.9.1 behaviours this
 
 * The bypass loss raises ``ValueError`` for a micro-batch without a valid token (verl #6485 in its
   0.9 form) and ``token-mean`` divides 0 by 0 for an empty mini-batch; ``guard_all_rejected`` turns
-  such a micro-batch into an exact zero-loss contribution and counts it.
+  such a micro-batch into an exact zero-loss contribution and counts it. It only wraps a function:
+  putting the wrapped losses into verl's registry is ``verl_patches.install_all_rejected_guard``.
 * verl's metrics average over all tokens whatever policy version sampled them; with partial
   rollout, ``compute_lag_split_metrics`` reruns verl's own metric function per version lag.
 """
@@ -15,13 +16,12 @@ config itself (``verl_partial.hydra_resolvers``). Two verl 0.9.1 behaviours this
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from verl import DataProto
 from verl.trainer.config.algorithm import RolloutCorrectionConfig as VerlRolloutCorrectionConfig
-from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
 
 from verl_partial.core.correction import (
@@ -167,15 +167,3 @@ def _rejected_every_token(metrics: Mapping[str, Any], response_mask: torch.Tenso
         return False
     valid = float(response_mask.sum())
     return fraction > 1.0 - 0.5 / valid
-
-
-def install_all_rejected_guard(loss_modes: Iterable[str] | None = None) -> None:
-    """Guard the named (default: all registered) policy losses in verl's ``POLICY_LOSS_REGISTRY``.
-
-    verl's ``ppo_loss`` looks the loss up by name on every call (``get_policy_loss_fn``), so
-    replacing the registry entry is enough; patching the module attribute would not be. Must run in
-    each actor worker process; idempotent. Losses registered after the call are not guarded.
-    """
-    registry = core_algos.POLICY_LOSS_REGISTRY
-    for name in list(registry) if loss_modes is None else loss_modes:
-        registry[name] = guard_all_rejected(core_algos.get_policy_loss_fn(name))
