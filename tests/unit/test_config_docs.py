@@ -1,0 +1,66 @@
+"""docs/configuration.md is generated from the config dataclasses' field docstrings: current, and no knob missing."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from verl_partial import config_docs
+from verl_partial.core.correction import BLOCK as CORRECTION_BLOCK
+from verl_partial.core.correction import RENAMED_KEYS
+
+REPO = Path(__file__).resolve().parents[2]
+BLOCKS = {block.key: block for block in config_docs.blocks()}
+
+
+def test_the_page_is_current() -> None:
+    assert config_docs.PAGE == REPO / "docs" / "configuration.md"
+    assert config_docs.PAGE.read_text() == config_docs.render(), "run: python -m verl_partial.config_docs"
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_every_field_has_its_docstring(block: str) -> None:
+    cls = BLOCKS[block].cls
+    docs = config_docs.field_docs(cls)
+    for field in dataclasses.fields(cls):
+        assert docs.get(field.name, "").strip(), f"{cls.__name__}.{field.name} has no docstring under it"
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_every_key_our_yamls_define_is_in_its_table(block: str) -> None:
+    """Keys are read from every option of the block's Hydra group, so a knob added to a YAML only is caught too."""
+    page = config_docs.render()
+    paths = sorted((REPO / "hydra_configs" / block).glob("*.yaml"))
+    assert paths
+    keys = {key for path in paths for key in OmegaConf.load(path).get(block, {})}
+    assert keys
+    renamed = set(RENAMED_KEYS) if block == CORRECTION_BLOCK else set()
+    for key in sorted(keys - renamed):
+        assert f"| `{block}.{key}` |" in page, f"{block}.{key} is missing from docs/configuration.md"
+    for old in sorted(renamed):
+        assert f"| `{block}.{old}` | `{block}.{RENAMED_KEYS[old]}` |" in page
+
+
+def test_field_docs_reads_the_string_under_each_field() -> None:
+    @dataclasses.dataclass(frozen=True)
+    class Knobs:
+        documented: int = 1
+        """Spread over
+        two lines."""
+
+        undocumented: int = 2
+
+    assert config_docs.field_docs(Knobs) == {"documented": "Spread over two lines."}
+
+
+def test_check_fails_on_a_stale_page(tmp_path, monkeypatch, capsys) -> None:
+    page = tmp_path / "configuration.md"
+    monkeypatch.setattr(config_docs, "PAGE", page)
+    page.write_text(config_docs.render().replace("partial.schedule", "partial.sched"))
+    assert config_docs.main(["--check"]) == 1
+    assert "out of date" in capsys.readouterr().err
+    assert config_docs.main([]) == 0
+    assert config_docs.main(["--check"]) == 0
