@@ -40,6 +40,7 @@ Calls can fail, hang (no tokens until aborted), be slow, and servers can die (an
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -93,10 +94,11 @@ def token_at(key: str, index: int, position: int) -> int:
     return _h(key, index, position) % 997
 
 
-def full_tokens(key: str, index: int, seed: int, response_length: int) -> list[int]:
+@functools.lru_cache(maxsize=1 << 16)
+def full_tokens(key: str, index: int, seed: int, response_length: int) -> tuple[int, ...]:
     """What the model would say without any length limit (the trained response is its first response_length)."""
     length = target_length(key, index, seed, response_length)
-    return [EOS if p == length - 1 else token_at(key, index, p) for p in range(length)]
+    return tuple(EOS if p == length - 1 else token_at(key, index, p) for p in range(length))
 
 
 def log_prob_at(position: int, version: int) -> float:
@@ -185,6 +187,8 @@ class SimEngine:
     # Answers whose reason hides the truth (SGLang): "abort" on an EOS or on the last allowed token, "length" on an
     # EOS, and 0-token "length" at the model-length cap. Tests use them to show their case really happened.
     tricky: Counter[str] = field(default_factory=Counter)
+    never: asyncio.Future[None] | None = None
+    open: Counter[str] = field(default_factory=Counter)
 
     @property
     def servers(self) -> list[str]:
@@ -197,7 +201,8 @@ class SimEngine:
         return asyncio.get_running_loop().time()
 
     def outstanding(self, server: str) -> int:
-        return sum(not c.future.done() and c.request.server == server for c in self.calls.values())
+        """Calls on ``server`` the client still waits for (kept as a count: read at every launch)."""
+        return self.open[server]
 
     def generating(self) -> list[str]:
         """Requests decoding on a live server for a client that still waits (zombies are counted apart)."""
@@ -233,6 +238,8 @@ class SimEngine:
             call.task = loop.create_task(self._serve(call))
             futures.append(call.future)
             name = request.server
+            self.open[name] += 1
+            call.future.add_done_callback(lambda _, name=name: self.open.subtract([name]))
             self.max_outstanding[name] = max(self.max_outstanding.get(name, 0), self.outstanding(name))
         return futures
 
@@ -260,7 +267,7 @@ class SimEngine:
                     )
                 self._abort(server, call)
         if dead:
-            await asyncio.Event().wait()
+            await self._hang()
 
     async def cancel(self, requests: list[SegmentRequest]) -> None:
         """Ray cancel: the client gets nothing back. vLLM (and SGLang with our fix) abort the request; SGLang
@@ -290,14 +297,14 @@ class SimEngine:
             else:
                 call.zombie = True  # SGLang: no CancelledError handler, no abort sent
         if dead:
-            await asyncio.Event().wait()
+            await self._hang()
 
     async def abort_all(self) -> None:
         await asyncio.gather(*[self._abort_server(server) for server in self.servers_])
 
     async def _abort_server(self, server: SimServer) -> None:
         if server.dead(self.now()):
-            await asyncio.Event().wait()  # the control call hangs like the server
+            await self._hang()  # the control call hangs like the server
         server.gate_closed, server.rejecting = True, self.reject_request
         if server.engine == "vllm":
             await self._vllm_barrier(server)
@@ -321,7 +328,7 @@ class SimEngine:
                 except asyncio.TimeoutError:
                     break
                 if server.dead(loop.time()):
-                    await asyncio.Event().wait()
+                    await self._hang()
         finally:
             server.barrier_waiting = False
         if server.resumed_in_barrier:
@@ -411,7 +418,14 @@ class SimEngine:
 
     async def _alive(self, server: SimServer) -> None:
         if server.dead(self.now()):
-            await asyncio.Event().wait()
+            await self._hang()
+
+    async def _hang(self) -> None:
+        """Wait forever, like anything sent to a dead server. One future the engine holds, so the waiting tasks stay
+        referenced (and are cancelled at the end of ``run_virtual``) instead of being collected while pending."""
+        if self.never is None:
+            self.never = asyncio.get_running_loop().create_future()
+        await self.never
 
     async def _run(self, call: SimCall, server: SimServer) -> SegmentResult:
         request = call.request
@@ -427,7 +441,7 @@ class SimEngine:
         start = len(call.prefix)
         if EOS in call.prefix:
             self.violations.append(f"{request.request_id}: resumed after an EOS")
-        elif call.prefix != expected[:start]:
+        elif tuple(call.prefix) != expected[:start]:
             self.violations.append(f"{request.request_id}: resumed from a wrong prefix")
         max_new = request.max_new_tokens
         if server.max_model_len is not None:
@@ -439,8 +453,7 @@ class SimEngine:
                 return self._result(call, [], "length" if server.engine == "sglang" else "completed")
         latency = server.token_latency * (20 if draw > 1 - self.slow_rate else 1)
         for position in range(start, start + max_new):
-            await asyncio.sleep(latency)  # one engine step; an abort lands at its end
-            await self._alive(server)
+            await self._decode_step(call, server, latency)
             if call.abort and server.engine == "vllm":
                 return self._result(call, call.new_ids, "abort")  # vLLM: nothing after the abort
             token = expected[position] if position < len(expected) else token_at(call.key, request.ref.index, position)
@@ -453,6 +466,23 @@ class SimEngine:
             if token == EOS:
                 return self._result(call, call.new_ids, "stop" if server.engine == "sglang" else "completed")
         return self._result(call, call.new_ids, "length" if server.engine == "sglang" else "completed")
+
+    async def _decode_step(self, call: SimCall, server: SimServer, latency: float) -> None:
+        """The time of one token of this call. An abort cuts it short: vLLM drops the request at once, SGLang
+        decodes its one more token within one step of the server's own pace (a slow call is slow for its own
+        reasons, not because the engine's steps are)."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + latency
+        if not call.abort:
+            call.wake.clear()
+            timer = loop.call_at(end, call.wake.set)
+            try:
+                await call.wake.wait()
+            finally:
+                timer.cancel()
+        if call.abort and server.engine == "sglang" and loop.time() < end:
+            await asyncio.sleep(min(server.token_latency, end - loop.time()))
+        await self._alive(server)
 
     def _emit(self, call: SimCall, server: SimServer, token: int) -> None:
         call.new_ids.append(token)
