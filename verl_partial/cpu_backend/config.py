@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-BACKEND_NAMES = ("cpu", "cpu_vllm")
+BACKEND_NAMES = ("cpu", "cpu_vllm", "cpu_sglang")
 
 
 @dataclass(frozen=True)
@@ -12,6 +12,8 @@ class BackendConfig:
     """Which CPU execution backend verl-partial set up (GPU users keep verl's own vLLM/SGLang set-up).
 
     ``cpu``: our CPU engine as verl's rollout. ``cpu_vllm``: verl's own vLLM rollout on vLLM's CPU build.
+    ``cpu_sglang``: ``rollout.name=sglang`` served by our CPU engine with SGLang 0.5.12's semantics (SGLang itself
+    cannot run on this CPU), so verl's SGLang code paths and the SGLang server fix are exercised.
     """
 
     name: str = "cpu"

@@ -10,6 +10,17 @@ What makes it behave like a real serving engine (and so makes partial rollout's 
 * **Responsive control**: the model runs in a single worker thread (torch releases the GIL inside its kernels) while
   the asyncio loop owns all scheduling state. ``abort`` resolves the request's ``generate`` immediately with the
   tokens produced so far; the slot is reclaimed before the next step.
+* **Two servers' semantics** (``semantics=``), because the scheduler must be tested against what real engines do,
+  not against what is convenient:
+
+  - ``"vllm"`` (vLLM 0.24 v1 engine): an abort ends a request at once with its tokens so far (a queued one with
+    none); EOS is checked before the length cap (``vllm/v1/core/sched/utils.py``, ``check_stop``).
+  - ``"sglang"`` (SGLang 0.5.12): an abort of a *running* request only sets ``to_finish``; the request decodes one
+    more token, then ``Req.check_finished`` ends it as aborted (``scheduler.py``, ``Scheduler.abort_request``,
+    "Abort method 3"); a queued one leaves with no tokens ("Abort method 1"). ``check_finished``
+    (``schedule_batch.py``) tests ``to_finish`` first, then ``max_new_tokens``, then EOS
+    (``_check_token_based_finish``); a length finish keeps ``finished_len = max_new_tokens`` tokens, so
+    ``max_new_tokens=0`` is allowed and answers 0 tokens with "length".
 
 Log-prob semantics follow verl 0.9.1's vLLM rollout, which starts vLLM with ``logprobs_mode="processed_logprobs"``
 (``actor_rollout_ref.rollout.logprobs_mode`` default): the log-prob of the sampled token under the distribution it
@@ -25,7 +36,7 @@ import asyncio
 import dataclasses
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
@@ -37,6 +48,8 @@ from verl_partial.cpu_backend.kv_model import SlotKVModel
 
 StopReason = Literal["completed", "length", "aborted"]
 LogprobsMode = Literal["processed_logprobs", "raw_logprobs"]
+Semantics = Literal["vllm", "sglang"]
+SEMANTICS: tuple[Semantics, ...] = ("vllm", "sglang")
 
 
 # Below this many padded tokens a prefill batch is cheap whatever its padding; above it, lengths are grouped.
@@ -50,6 +63,8 @@ class SamplingParams:
     ``temperature == 0`` means greedy. ``top_k <= 0`` and ``top_p == 1`` disable truncation. ``seed`` makes the
     request's samples independent of whatever else shares the batch. Validated on construction and again when
     ``generate`` snapshots it, so changing a field after submitting a request does not affect that request.
+    ``max_tokens == 0`` is SGLang's ``max_new_tokens=0`` (a 0-token "length" answer); the vLLM-semantics engine
+    refuses it, as vLLM's ``SamplingParams._verify_args`` does.
     """
 
     max_tokens: int
@@ -60,8 +75,8 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -96,14 +111,20 @@ class EngineStats:
 
 
 @dataclass(eq=False)
-class _Request:
+class EngineRequest:
+    """One submitted request. ``future`` resolves with its result; ``first_output`` is set at its first token or
+    when it ends without one (when vLLM's output stream yields its first ``RequestOutput``, the moment verl's
+    ``vLLMHttpServer.generate`` lowers ``_admitting``). ``to_finish``: SGLang's pending abort (one more token)."""
+
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     future: asyncio.Future[GenerationResult]
     generator: torch.Generator | None
+    first_output: asyncio.Event = field(default_factory=asyncio.Event)
     token_ids: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
+    to_finish: bool = False
     done: bool = False
 
     @property
@@ -144,6 +165,8 @@ class CpuBatchedEngine:
         max_num_batched_tokens: int = 4096,
         logprobs_mode: LogprobsMode = "processed_logprobs",
         seed: int | None = None,
+        semantics: Semantics = "vllm",
+        virtual_step_s: float | None = None,
     ) -> None:
         """
         Args:
@@ -156,9 +179,18 @@ class CpuBatchedEngine:
                 bounds how long a burst of new requests stalls the running ones.
             logprobs_mode: see the module docstring; the default matches verl's vLLM rollout.
             seed: seeds the generator shared by requests without their own seed.
+            semantics: whose abort and finish rules to follow (module docstring).
+            virtual_step_s: run the model on the event loop's own thread and let every step last this long on the
+                loop's clock. On a :class:`~verl_partial.sim.clock.VirtualClockLoop` that makes the engine
+                deterministic in time (tests of aborts, gates and timeouts need no wall-clock sleeps). ``None``:
+                the model runs in the worker thread and steps take what they take.
         """
         if logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
             raise ValueError(f"unsupported logprobs_mode {logprobs_mode!r}")
+        if semantics not in SEMANTICS:
+            raise ValueError(f"semantics must be one of {list(SEMANTICS)}, got {semantics!r}")
+        self.semantics: Semantics = semantics
+        self.virtual_step_s = virtual_step_s
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.max_num_seqs = max_num_seqs
@@ -175,14 +207,15 @@ class CpuBatchedEngine:
             self._shared_generator.manual_seed(seed)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-engine")
         self._model_lock = threading.Lock()  # a step and a weight load never overlap
-        self._waiting: deque[_Request] = deque()
-        self._slots: list[_Request] = []  # index == KV slot; may hold finished requests until the next compaction
-        self._requests: dict[str, _Request] = {}  # unfinished requests, waiting or running
+        self._waiting: deque[EngineRequest] = deque()
+        self._slots: list[EngineRequest] = []  # index == KV slot; may hold finished requests until the next compaction
+        self._requests: dict[str, EngineRequest] = {}  # unfinished requests, waiting or running
         self._paused = False
         self._stats = EngineStats()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None
+        self._stepped: asyncio.Event | None = None  # set (and replaced) after every step and every finish
 
     # ------------------------------------------------------------------ public API
 
@@ -200,6 +233,27 @@ class CpuBatchedEngine:
         return list(self._requests)
 
     @property
+    def is_idle(self) -> bool:
+        """Nothing waiting and nothing running (SGLang's ``Scheduler.is_fully_idle``)."""
+        return not self._requests
+
+    def tokens_so_far(self, request_id: str) -> int:
+        """Tokens an unfinished request has generated; 0 while it is queued or not (or no longer) in the engine."""
+        request = self._requests.get(request_id)
+        return 0 if request is None else len(request.token_ids)
+
+    async def wait_until(self, predicate: Callable[[], bool]) -> None:
+        """Return once ``predicate()`` holds, re-checked after every engine step and every finished request.
+
+        Lets tests drive the engine by its own progress ("once the request has 3 tokens") instead of wall-clock
+        sleeps. Hangs if the engine never makes the predicate true: callers bound it with their test timeout.
+        """
+        while not predicate():
+            if self._stepped is None:
+                self._stepped = asyncio.Event()
+            await self._stepped.wait()
+
+    @property
     def stats(self) -> EngineStats:
         return dataclasses.replace(self._stats)
 
@@ -211,8 +265,19 @@ class CpuBatchedEngine:
         """Generate up to ``params.max_tokens`` tokens after ``prompt_ids``.
 
         ``prompt_ids`` may end with an earlier partial response (resuming an aborted rollout): the whole sequence is
-        prefilled and generation continues from its end. Cancelling the awaiting task aborts the request.
+        prefilled and generation continues from its end. Cancelling the awaiting task ends the request at once
+        (vLLM's ``AsyncLLM.generate`` aborts on ``CancelledError``) and the caller gets nothing.
         """
+        request = self.submit(request_id, prompt_ids, params)
+        try:
+            return await request.future
+        except asyncio.CancelledError:
+            self._finish(request, "aborted")
+            raise
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> EngineRequest:
+        """Queue a request and return its handle without awaiting it: the request then runs whatever happens to
+        whoever awaits ``handle.future`` (SGLang's scheduler keeps decoding a request whose caller went away)."""
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already in flight")
         if not 0 < len(prompt_ids) < self.max_model_len:
@@ -220,36 +285,45 @@ class CpuBatchedEngine:
         if min(prompt_ids) < 0 or max(prompt_ids) >= self._kv.vocab_size:
             raise ValueError(f"prompt of {request_id!r} has token ids outside [0, {self._kv.vocab_size})")
         params = dataclasses.replace(params)  # snapshot + re-validate
+        if params.max_tokens < 1 and self.semantics == "vllm":
+            raise ValueError(f"max_tokens must be >= 1, got {params.max_tokens}")
         self._ensure_loop()
         generator = None if params.seed is None else torch.Generator().manual_seed(params.seed)
-        request = _Request(request_id, list(prompt_ids), params, asyncio.get_running_loop().create_future(), generator)
+        request = EngineRequest(
+            request_id, list(prompt_ids), params, asyncio.get_running_loop().create_future(), generator
+        )
         self._requests[request_id] = request
         self._waiting.append(request)
         self._wake()
-        try:
-            return await request.future
-        except asyncio.CancelledError:
-            self._finish(request, "aborted")
-            raise
+        return request
 
-    async def abort(self, request_id: str) -> bool:
-        """End a waiting or running request now; its ``generate`` returns the tokens so far as ``"aborted"``.
+    def abort(self, request_id: str) -> bool:
+        """Abort a waiting or running request; its ``generate`` returns the tokens so far as ``"aborted"``.
 
+        vLLM semantics: at once. SGLang semantics: a running request after one more token (module docstring).
         Returns whether the request was in flight; unknown or already finished ids are ignored (the request may have
         finished meanwhile).
         """
         request = self._requests.get(request_id)
         if request is None:
             return False
-        self._finish(request, "aborted")
+        self._abort(request)
         return True
 
-    async def abort_all(self) -> int:
-        """Abort every waiting and running request; return how many were aborted."""
+    def abort_all(self) -> int:
+        """Abort every waiting and running request (as :meth:`abort`); return how many were aborted."""
         requests = list(self._requests.values())
         for request in requests:
-            self._finish(request, "aborted")
+            self._abort(request)
         return len(requests)
+
+    def _abort(self, request: EngineRequest) -> None:
+        if self.semantics == "sglang" and request in self._slots:
+            # SGLang's Scheduler.abort_request, "Abort method 3: set `to_finish`": one more decode step.
+            request.to_finish = True
+            self._wake()
+        else:
+            self._finish(request, "aborted")
 
     def pause(self) -> None:
         """Stop scheduling after the step in flight: running requests keep their state, new ones queue.
@@ -280,7 +354,7 @@ class CpuBatchedEngine:
 
     async def close(self) -> None:
         """Abort everything, stop the scheduler task and the worker thread; the engine is unusable afterwards."""
-        await self.abort_all()
+        self.abort_all()
         if self._task is not None:
             self._task.cancel()
             try:
@@ -323,7 +397,11 @@ class CpuBatchedEngine:
                     continue
                 plan, rows = scheduled
                 try:
-                    tokens, log_probs = await loop.run_in_executor(self._executor, self._execute, plan)
+                    if self.virtual_step_s is None:
+                        tokens, log_probs = await loop.run_in_executor(self._executor, self._execute, plan)
+                    else:
+                        tokens, log_probs = self._execute(plan)
+                        await asyncio.sleep(self.virtual_step_s)
                 except Exception as exc:  # a failed step fails its requests, not the engine
                     for request in rows:
                         self._finish(request, exc)
@@ -335,7 +413,7 @@ class CpuBatchedEngine:
                 self._finish(request, "aborted")
             self._slots.clear()
 
-    def _schedule(self) -> tuple[_StepPlan, list[_Request]] | None:
+    def _schedule(self) -> tuple[_StepPlan, list[EngineRequest]] | None:
         if self._paused:
             return None
         moves = self._compact()
@@ -356,7 +434,7 @@ class CpuBatchedEngine:
         )
         return plan, list(self._slots)
 
-    def _pick_joiners(self, free_slots: int) -> list[_Request]:
+    def _pick_joiners(self, free_slots: int) -> list[EngineRequest]:
         """Waiting requests to prefill this step: the oldest first, then others of a similar length.
 
         A prefill batch is padded to its longest prompt; resumed partial rollouts mix 20-token prompts
@@ -367,7 +445,7 @@ class CpuBatchedEngine:
         if free_slots <= 0 or not self._waiting:
             return []
         anchor = len(self._waiting[0].prompt_ids)
-        joiners: list[_Request] = []
+        joiners: list[EngineRequest] = []
         width = 0
         for request in list(self._waiting):
             if len(joiners) == free_slots:
@@ -397,7 +475,7 @@ class CpuBatchedEngine:
         self._slots = kept
         return moves
 
-    def _apply(self, plan: _StepPlan, rows: list[_Request], tokens: list[int], log_probs: list[float]) -> None:
+    def _apply(self, plan: _StepPlan, rows: list[EngineRequest], tokens: list[int], log_probs: list[float]) -> None:
         self._stats.decode_steps += bool(plan.decode_tokens)
         self._stats.decode_tokens += len(plan.decode_tokens)
         self._stats.prefill_tokens += sum(len(p) for p in plan.prefill_prompts)
@@ -407,30 +485,56 @@ class CpuBatchedEngine:
             self._stats.generated_tokens += 1
             request.token_ids.append(token)
             request.log_probs.append(log_prob)
-            if token in self.eos_token_ids and not request.params.ignore_eos:
-                self._finish(request, "completed")
-            elif (
-                len(request.token_ids) >= request.params.max_tokens
-                or len(request.prompt_ids) + len(request.token_ids) >= self.max_model_len
-            ):
-                self._finish(request, "length")
+            request.first_output.set()
+            outcome = self._check_finished(request, token)
+            if outcome is not None:
+                self._finish(request, outcome)
+        self._notify_progress()
 
-    def _finish(self, request: _Request, outcome: StopReason | BaseException) -> None:
-        """Resolve a request once; a running one keeps its slot until the next compaction."""
+    def _check_finished(self, request: EngineRequest, token: int) -> StopReason | None:
+        """The engine's stop check after appending ``token``.
+
+        vLLM (``vllm/v1/core/sched/utils.py``, ``check_stop``): EOS before the length cap. SGLang
+        (``schedule_batch.py``, ``Req.check_finished``): ``to_finish`` (abort), then ``max_new_tokens`` (keeping
+        ``finished_len = max_new_tokens`` tokens), then EOS -- an EOS that is the last allowed token says "length",
+        and the extra token after an abort says "abort" even when it is EOS.
+        """
+        eos = token in self.eos_token_ids and not request.params.ignore_eos
+        at_length = (
+            len(request.token_ids) >= request.params.max_tokens
+            or len(request.prompt_ids) + len(request.token_ids) >= self.max_model_len
+        )
+        if self.semantics == "vllm":
+            return "completed" if eos else "length" if at_length else None
+        if request.to_finish:
+            return "aborted"
+        if at_length:
+            del request.token_ids[request.params.max_tokens :], request.log_probs[request.params.max_tokens :]
+            return "length"
+        return "completed" if eos else None
+
+    def _notify_progress(self) -> None:
+        if self._stepped is not None:
+            self._stepped.set()
+            self._stepped = None
+
+    def _finish(self, request: EngineRequest, outcome: StopReason | BaseException) -> None:
+        """Resolve a request once; a running one keeps its slot until the next compaction. Progress waiters are
+        woken last, so they run after the request's own done-callbacks."""
         if request.done:
             return
         request.done = True
+        request.first_output.set()
         if self._requests.get(request.request_id) is request:
             del self._requests[request.request_id]
         if request in self._waiting:
             self._waiting.remove(request)
-        if request.future.done():
-            return
-        if isinstance(outcome, BaseException):
-            request.future.set_exception(outcome)
-        else:
-            result = GenerationResult(list(request.token_ids), list(request.log_probs), outcome)
-            request.future.set_result(result)
+        if not request.future.done():
+            if isinstance(outcome, BaseException):
+                request.future.set_exception(outcome)
+            else:
+                request.future.set_result(GenerationResult(list(request.token_ids), list(request.log_probs), outcome))
+        self._notify_progress()
 
     # ------------------------------------------------------------------ model work (worker thread)
 

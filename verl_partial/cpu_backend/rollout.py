@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import os
 import random
-from collections.abc import Generator
+from collections.abc import AsyncIterator, Generator
 from typing import Any
 
 import ray
@@ -24,8 +24,16 @@ from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import HFModelConfig, RolloutConfig
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
+from verl.workers.rollout.utils import get_max_position_embeddings
 
-from verl_partial.cpu_backend.engine import CpuBatchedEngine, SamplingParams
+from verl_partial.cpu_backend.engine import (
+    CpuBatchedEngine,
+    EngineRequest,
+    GenerationResult,
+    SamplingParams,
+    Semantics,
+)
+from verl_partial.glue.sglang_server import apply_sglang_server_fix
 
 logger = logging.getLogger("verl_partial.cpu_backend")
 
@@ -33,6 +41,8 @@ SERVER_NAME_PREFIX = "verl_partial_cpu_server_"
 # Fault injection for resilience tests, e.g. "raise=0.1,hang=0.05,hang_s=30,seed=0": each generate
 # call raises with probability `raise`, or stalls `hang_s` seconds with probability `hang`.
 FAULTS_ENV = "VERL_PARTIAL_CPU_FAULTS"
+# vllm_async_server.py's _GATE_BARRIER_TIMEOUT_S: how long abort_all_requests waits for admitted requests.
+GATE_BARRIER_TIMEOUT_S = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,10 +95,23 @@ def to_engine_params(sampling_params: dict[str, Any], default_max_tokens: int) -
     return SamplingParams(max_tokens=int(max_tokens), **params)
 
 
-class CpuRolloutServer:
-    """Ray actor holding one CPU engine; the counterpart of verl's vLLMHttpServer, minus HTTP."""
+class _CpuServerBase:
+    """What both CPU server doubles share: the model, its EOS ids, weight loads and the no-op memory calls.
 
-    def __init__(self, config: RolloutConfig | DictConfig, model_config: HFModelConfig | DictConfig, replica_rank: int):
+    ``max_model_len`` follows verl's servers: ``rollout.max_model_len`` when set (and not above the model's
+    ``max_position_embeddings``), else ``max_position_embeddings`` (``vLLMHttpServer._validate_configs``,
+    ``SGLangHttpServer.__init__``). A CPU engine holding a tiny model has no memory to release or profile.
+    ``virtual_step_s`` is the engine's (tests on a virtual clock); Ray launches servers without it.
+    """
+
+    def __init__(
+        self,
+        config: RolloutConfig | DictConfig,
+        model_config: HFModelConfig | DictConfig,
+        replica_rank: int,
+        semantics: Semantics,
+        virtual_step_s: float | None = None,
+    ) -> None:
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(max(1, int(os.environ.get("VERL_PARTIAL_CPU_THREADS", "1"))))
@@ -100,21 +123,16 @@ class CpuRolloutServer:
             self.model_config.local_path, dtype=torch.float32, attn_implementation="eager"
         )
         model.eval()
-        self.faults = FaultInjection.from_env(os.environ.get(FAULTS_ENV))
-        self.fault_rng = random.Random(self.faults.seed * 1000 + replica_rank)
-        self.max_model_len = self.config.prompt_length + self.config.response_length
+        self.max_model_len = resolve_max_model_len(self.config.max_model_len, model.config)
         self.engine = CpuBatchedEngine(
             model,
             eos_token_ids=self._eos_token_ids(model),
             max_num_seqs=self.config.max_num_seqs,
             max_model_len=self.max_model_len,
             logprobs_mode=self.config.logprobs_mode,
+            semantics=semantics,
+            virtual_step_s=virtual_step_s,
         )
-        # verl's vLLMHttpServer submission gate (vllm_async_server.py): closed by abort_all_requests, opened by
-        # resume_generation; a request arriving while it is closed parks (or, when rejecting, is refused).
-        self._submission_paused = False
-        self._rejecting = False
-        self._resume_event: asyncio.Event | None = None
 
     def _eos_token_ids(self, model) -> set[int]:
         ids: set[int] = set()
@@ -126,69 +144,13 @@ class CpuRolloutServer:
             raise ValueError(f"model at {self.model_config.local_path} defines no eos_token_id")
         return ids
 
+    def _default_max_tokens(self, prompt_len: int) -> int:
+        """verl's default when the caller sends no max tokens (both servers' ``generate``)."""
+        return min(self.config.response_length, self.config.prompt_length + self.config.response_length - prompt_len)
+
     def get_server_address(self) -> str:
         # verl keys its load balancer by address; there is no HTTP endpoint behind it.
         return f"cpu://replica-{self.replica_rank}"
-
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        sampling_params: dict[str, Any],
-        request_id: str,
-        image_data: list[Any] | None = None,
-        video_data: list[Any] | None = None,
-        **_unused: Any,
-    ) -> TokenOutput:
-        if image_data or video_data:
-            raise ValueError("the CPU rollout backend is text-only")
-        draw = self.fault_rng.random()
-        if draw < self.faults.raise_rate:
-            raise RuntimeError(f"injected fault ({FAULTS_ENV})")
-        if draw < self.faults.raise_rate + self.faults.hang_rate:
-            await asyncio.sleep(self.faults.hang_s)
-        prompt_ids = [int(token) for token in prompt_ids]
-        room = self.max_model_len - len(prompt_ids)
-        if room < 1:
-            raise ValueError(
-                f"prompt of {len(prompt_ids)} tokens leaves no room within max_model_len={self.max_model_len}"
-            )
-        params = to_engine_params(sampling_params, default_max_tokens=min(self.config.response_length, room))
-        params.max_tokens = max(1, min(params.max_tokens, room))
-        rejected = await self._park_until_admitted(request_id)
-        if rejected is not None:
-            return rejected
-        # No await between admission and the engine registering the request: an abort that closes the gate
-        # after this line finds the request in the engine (vLLM needs its _admitting barrier for the same).
-        result = await self.engine.generate(request_id, prompt_ids, params)
-        return TokenOutput(
-            token_ids=result.token_ids,
-            log_probs=result.log_probs,
-            # verl's vLLM server reports EOS and max_tokens both as "completed".
-            stop_reason="aborted" if result.stop_reason == "aborted" else "completed",
-            extra_fields={"global_steps": self.global_steps},
-        )
-
-    def _gate(self) -> asyncio.Event:
-        if self._resume_event is None:
-            self._resume_event = asyncio.Event()
-            self._resume_event.set()
-        return self._resume_event
-
-    async def _park_until_admitted(self, request_id: str) -> TokenOutput | None:
-        """verl's ``vLLMHttpServer._park_until_admitted``: wait out a closed gate, or refuse the request when the
-        gate rejects late arrivals (no tokens, ``stop_reason="aborted"``, ``log_probs=None``). A parked request
-        is not known to the engine, so ``abort_request`` does not find it; cancelling the call frees it."""
-        while self._submission_paused:
-            if self._rejecting:
-                logger.debug("rejecting request %s behind a closed gate", request_id)
-                return TokenOutput(
-                    token_ids=[],
-                    log_probs=None,
-                    stop_reason="aborted",
-                    extra_fields={"global_steps": self.global_steps},
-                )
-            await self._gate().wait()
-        return None
 
     async def load_weights(self, named_tensors: dict[str, torch.Tensor], global_steps: int | None) -> None:
         self.engine.load_weights(named_tensors.items())
@@ -197,38 +159,7 @@ class CpuRolloutServer:
     async def set_global_steps(self, global_steps: int) -> None:
         self.global_steps = global_steps
 
-    async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict:
-        """verl's vLLM ``abort_all_requests``: close the gate (declaring whether late arrivals park or are
-        refused), then abort every request in the engine -- running ones return all their tokens so far, queued
-        ones none, all as ``"aborted"``. The engine stays paused until :meth:`resume_generation`."""
-        self._submission_paused, self._rejecting = True, reject_request
-        self._gate().clear()
-        request_ids = self.engine.request_ids
-        self.engine.pause()
-        await self.engine.abort_all()
-        return {"aborted_count": len(request_ids), "request_ids": request_ids}
-
-    async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict:
-        """Abort one request the engine knows (running: its tokens so far; queued: none). Like vLLM, a request
-        parked at the gate is not found; cancel its call instead."""
-        if not await self.engine.abort(request_id):
-            return {"aborted": False, "error": f"Request {request_id} not found"}
-        return {"aborted": True, "request_id": request_id}
-
-    async def resume_generation(self) -> None:
-        self.engine.resume()
-        self._submission_paused, self._rejecting = False, False
-        self._gate().set()
-
-    async def wait_for_requests_to_drain(self) -> None:
-        while self.engine.num_running or self.engine.num_waiting:
-            await asyncio.sleep(0.01)
-
-    # Memory management and profiling are meaningless for a CPU engine holding a tiny model.
     async def wake_up(self, tags: list[str] | None = None) -> None:
-        return None
-
-    async def sleep(self) -> None:
         return None
 
     async def clear_kv_cache(self) -> None:
@@ -250,11 +181,391 @@ class CpuRolloutServer:
         return dataclasses.asdict(self.engine.stats)
 
 
+def resolve_max_model_len(configured: int | None, hf_config: Any) -> int:
+    """``rollout.max_model_len``, or the model's ``max_position_embeddings`` when null (verl's servers)."""
+    limit = get_max_position_embeddings(hf_config)
+    if configured is None:
+        return limit
+    if configured > limit:
+        raise ValueError(
+            f"actor_rollout_ref.rollout.max_model_len ({configured}) should be less than or equal to "
+            f"max_position_embeddings ({limit})"
+        )
+    return configured
+
+
+class CpuRolloutServer(_CpuServerBase):
+    """Ray actor holding one CPU engine with vLLM semantics; the counterpart of verl's ``vLLMHttpServer``.
+
+    Every control path copies ``verl/workers/rollout/vllm_rollout/vllm_async_server.py`` (verl 0.9.1) over
+    vLLM 0.24's ``AsyncLLM``: the submission gate, the ``_admitting`` barrier, the per-request abort and the
+    ``max_tokens`` clamp. Requests beyond ``max_num_seqs`` queue in the engine and produce nothing until they run.
+    """
+
+    def __init__(
+        self,
+        config: RolloutConfig | DictConfig,
+        model_config: HFModelConfig | DictConfig,
+        replica_rank: int,
+        virtual_step_s: float | None = None,
+    ):
+        super().__init__(config, model_config, replica_rank, "vllm", virtual_step_s)
+        self.faults = FaultInjection.from_env(os.environ.get(FAULTS_ENV))
+        self.fault_rng = random.Random(self.faults.seed * 1000 + replica_rank)
+        # vLLMHttpServer.__init__: the submission gate, closed by abort_all_requests and opened by
+        # resume_generation; a request arriving while it is closed parks (or, when rejecting, is refused).
+        self._submission_paused = False
+        self._rejecting = False
+        self._resume_event: asyncio.Event | None = None
+        # Admitted past the gate but without a first output yet (vLLMHttpServer._admitting).
+        self._admitting = 0
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        request_id: str,
+        image_data: list[Any] | None = None,
+        video_data: list[Any] | None = None,
+        **_unused: Any,
+    ) -> TokenOutput:
+        """``vLLMHttpServer.generate``: clamp ``max_tokens`` to ``[1, max_model_len - prompt]`` (a truncated answer
+        ends "length", reported "completed"), wait at the gate, then run in the engine; ``_admitting`` falls at the
+        request's first output. A cancelled call aborts its request (vLLM's ``AsyncLLM.generate`` does so on
+        ``CancelledError``) and returns nothing."""
+        if image_data or video_data:
+            raise ValueError("the CPU rollout backend is text-only")
+        draw = self.fault_rng.random()
+        if draw < self.faults.raise_rate:
+            raise RuntimeError(f"injected fault ({FAULTS_ENV})")
+        if draw < self.faults.raise_rate + self.faults.hang_rate:
+            await asyncio.sleep(self.faults.hang_s)
+        prompt_ids = [int(token) for token in prompt_ids]
+        max_possible_tokens = self.max_model_len - len(prompt_ids)
+        if max_possible_tokens < 1:
+            raise ValueError(
+                f"Prompt length ({len(prompt_ids)}) leaves no room to generate within the model's maximum context "
+                f"length ({self.max_model_len}); need at least 1 token of headroom."
+            )
+        sampling_params = dict(sampling_params)
+        max_tokens = sampling_params.pop(
+            "max_tokens", sampling_params.pop("max_new_tokens", self._default_max_tokens(len(prompt_ids)))
+        )
+        params = to_engine_params(sampling_params, default_max_tokens=max(1, min(max_tokens, max_possible_tokens)))
+        rejected = await self._park_until_admitted(request_id)
+        if rejected is not None:
+            return rejected
+        # No await between admission and the engine registering the request: an abort that closes the gate
+        # after this line finds the request in the engine.
+        try:
+            request = self.engine.submit(request_id, prompt_ids, params)
+        except BaseException:
+            self._admitting -= 1
+            raise
+        try:
+            try:
+                await request.first_output.wait()
+            finally:
+                self._admitting -= 1
+            result = await request.future
+        except asyncio.CancelledError:
+            self.engine.abort(request_id)
+            raise
+        return TokenOutput(
+            token_ids=result.token_ids,
+            log_probs=result.log_probs,
+            # vLLMHttpServer.generate: finish_reason "stop" and "length" both map to "completed".
+            stop_reason="aborted" if result.stop_reason == "aborted" else "completed",
+            extra_fields={"global_steps": self.global_steps},
+        )
+
+    def _gate(self) -> asyncio.Event:
+        if self._resume_event is None:
+            self._resume_event = asyncio.Event()
+            self._resume_event.set()
+        return self._resume_event
+
+    async def _park_until_admitted(self, request_id: str) -> TokenOutput | None:
+        """``vLLMHttpServer._park_until_admitted``: wait out a closed gate, or refuse the request when the gate
+        rejects late arrivals (no tokens, ``stop_reason="aborted"``, ``log_probs=None``); count the admitted one
+        in ``_admitting``. A parked request is not in the engine, so ``abort_request`` does not find it."""
+        while self._submission_paused:
+            if self._rejecting:
+                logger.debug("rejecting request %s behind a closed gate", request_id)
+                return TokenOutput(
+                    token_ids=[],
+                    log_probs=None,
+                    stop_reason="aborted",
+                    extra_fields={"global_steps": self.global_steps},
+                )
+            await self._gate().wait()
+        self._admitting += 1
+        return None
+
+    async def abort_all_requests(self, reset_prefix_cache: bool = True, reject_request: bool = False) -> dict:
+        """``vLLMHttpServer.abort_all_requests``: close the gate (declaring whether late arrivals park or are
+        refused), then wait up to ``GATE_BARRIER_TIMEOUT_S`` while admitted requests have no first output yet --
+        a request queued behind ``max_num_seqs`` holds this barrier while the engine keeps generating -- then
+        pause the engine and abort every request in it (running: all tokens so far; queued: none; "aborted").
+        The engine stays paused until :meth:`resume_generation`."""
+        self._submission_paused, self._rejecting = True, reject_request
+        self._gate().clear()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + GATE_BARRIER_TIMEOUT_S
+        while self._admitting > 0:
+            if loop.time() > deadline:
+                logger.warning("submission gate barrier timed out with %d admission(s) in flight", self._admitting)
+                break
+            await asyncio.sleep(0.01)
+        request_ids = self.engine.request_ids
+        self.engine.pause()
+        self.engine.abort_all()
+        return {"aborted_count": len(request_ids), "request_ids": request_ids}
+
+    async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict:
+        """verl 0.9.1's ``vLLMHttpServer.abort_request`` on vLLM 0.24: it looks ``request_id`` up in
+        ``output_processor.request_states``, which vLLM keys by internal ids (the caller's id plus a random suffix,
+        ``InputProcessor.assign_request_id``), so it never finds a request. Copied as it behaves, so nothing can
+        come to rely on a per-request abort that real servers do not have; use :meth:`take_back_requests`."""
+        return {"aborted": False, "error": f"Request {request_id} not found"}
+
+    async def take_back_requests(self, request_ids: list[str]) -> list[str]:
+        """What verl-partial adds to verl's vLLM server (``verl_patches._add_vllm_take_back``): ``AsyncLLM.abort``
+        by the caller's ids. Each request the engine holds ends "aborted" through its ``generate`` call (running:
+        every token so far; queued: none); any other id (parked at the gate, in transit, done) is untouched.
+        Returns the ids the engine held."""
+        return [request_id for request_id in request_ids if self.engine.abort(request_id)]
+
+    async def resume_generation(self) -> None:
+        """``vLLMHttpServer.resume_generation``: resume the engine, then open the gate."""
+        self.engine.resume()
+        self._submission_paused, self._rejecting = False, False
+        self._gate().set()
+
+    async def wait_for_requests_to_drain(self) -> None:
+        await self.engine.wait_until(lambda: self.engine.is_idle)
+
+    async def sleep(self) -> None:
+        return None
+
+
+# --------------------------------------------------------------------------------------------------------------
+# SGLang mode (``+backend=cpu_sglang``): SGLang 0.5.12's TokenizerManager and verl 0.9.1's SGLangHttpServer over
+# our engine with SGLang semantics. SGLang cannot run here (CUDA-only kernels; its CPU path needs Intel AMX), so
+# this double copies the behaviour the scheduler has to survive, line by line, from the cited sources.
+# --------------------------------------------------------------------------------------------------------------
+
+# SGLang's FINISH_MATCHED_TOKEN / FINISH_LENGTH / FINISH_ABORT ``to_json()["type"]`` (schedule_batch.py).
+_SGLANG_FINISH_TYPE: dict[str, str] = {"completed": "stop", "length": "length", "aborted": "abort"}
+# TokenizerManager.pause_generation(mode="abort") re-sends the abort every second until no request holds the
+# model-update reader lock.
+SGLANG_PAUSE_POLL_S = 1.0
+
+
+@dataclasses.dataclass
+class SglangTokenizerStats:
+    """What the double's TokenizerManager holds: ``rid_to_state`` entries, and how many of them belong to calls
+    cancelled while parked at the pause gate (never sent to the scheduler, so nothing ever deletes them)."""
+
+    request_states: int
+    leaked_request_states: int
+    in_flight: int
+    paused: bool
+
+
+class SglangTokenizerManager:
+    """SGLang 0.5.12 ``TokenizerManager`` (``sglang/srt/managers/tokenizer_manager.py``) as verl's
+    ``SGLangHttpServer`` uses it, with the engine (SGLang semantics) standing in for the scheduler process.
+
+    * ``generate_request`` registers the request state *before* the pause gate (``_init_req_state``), then parks
+      at ``is_pause_cond`` while paused, then holds the model-update reader lock while the scheduler runs it. It has
+      no ``CancelledError`` handler: a cancelled caller leaves the request decoding (and its state in
+      ``rid_to_state`` until the scheduler finishes it), and a caller cancelled while parked leaves its state
+      forever.
+    * ``abort_request(rid)`` returns unless ``rid`` is in ``rid_to_state``; the scheduler then ends every request
+      whose id *starts with* ``rid`` (``Scheduler.abort_request``): queued ones with no tokens, running ones after
+      one more token.
+    * ``pause_generation(mode="abort")`` sets ``is_pause`` (late arrivals park; there is no reject) and re-sends
+      abort-all every ``SGLANG_PAUSE_POLL_S`` until no request holds the reader lock. ``continue_generation``
+      reopens the gate.
+    * ``release_memory_occupation`` asserts the scheduler is fully idle
+      (``scheduler_update_weights_mixin.py``, ``release_memory_occupation``).
+    """
+
+    def __init__(self, engine: CpuBatchedEngine) -> None:
+        self.engine = engine
+        self.rid_to_state: dict[str, EngineRequest | None] = {}  # None: not yet sent to the scheduler
+        self.is_pause = False
+        self.is_pause_cond = asyncio.Condition()
+        self._in_flight = 0  # holders of model_update_lock.reader_lock
+        self._cancelled_parked: set[str] = set()
+
+    async def generate_request(self, obj: dict[str, Any], request: Any = None) -> AsyncIterator[dict[str, Any]]:
+        """``TokenizerManager.generate_request`` + ``_wait_one_response`` for one non-streaming request."""
+        rid = obj["rid"]
+        if rid in self.rid_to_state:  # _init_req_state
+            raise ValueError(f"Duplicate request ID detected: {rid}")
+        self.rid_to_state[rid] = None
+        try:
+            async with self.is_pause_cond:
+                await self.is_pause_cond.wait_for(lambda: not self.is_pause)
+        except asyncio.CancelledError:
+            self._cancelled_parked.add(rid)  # no handler in SGLang: the state stays unless someone deletes it
+            raise
+        self._in_flight += 1
+        try:
+            params = obj["sampling_params"]
+            handle = self.engine.submit(rid, list(obj["input_ids"]), params)
+            self.rid_to_state[rid] = handle
+            # _handle_batch_output / _handle_abort_req delete the state when the scheduler reports the finish.
+            handle.future.add_done_callback(lambda _: self._forget(rid, handle))
+            result = await asyncio.shield(handle.future)
+        finally:
+            self._in_flight -= 1
+        yield self._output(rid, result, params.max_tokens, obj.get("return_logprob", False))
+
+    def _forget(self, rid: str, handle: EngineRequest) -> None:
+        if self.rid_to_state.get(rid) is handle:
+            del self.rid_to_state[rid]
+
+    @staticmethod
+    def _output(rid: str, result: GenerationResult, max_new_tokens: int, return_logprob: bool) -> dict[str, Any]:
+        meta_info: dict[str, Any] = {"id": rid, "finish_reason": {"type": _SGLANG_FINISH_TYPE[result.stop_reason]}}
+        if return_logprob:
+            entries = [
+                (log_prob, token, None) for log_prob, token in zip(result.log_probs, result.token_ids, strict=True)
+            ]
+            if max_new_tokens == 0:
+                # verl's SGLangHttpServer.generate: "max_new_tokens=0 produces a phantom logprob entry with empty
+                # output_ids" (the prefill's token, cut by finished_len = 0).
+                entries = [(0.0, 0, None)]
+            meta_info["output_token_logprobs"] = entries
+        return {"output_ids": list(result.token_ids), "meta_info": meta_info}
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """``TokenizerManager.abort_request`` then ``Scheduler.abort_request``: ids matched by prefix."""
+        if not abort_all and rid not in self.rid_to_state:
+            return
+        for request_id in self.engine.request_ids:
+            if abort_all or request_id.startswith(rid):
+                self.engine.abort(request_id)
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """``TokenizerManager.pause_generation`` with verl's ``mode="abort"``."""
+        async with self.is_pause_cond:
+            self.is_pause = True
+            while True:
+                self.abort_request(abort_all=True)
+                if self._in_flight == 0:
+                    break
+                await asyncio.sleep(SGLANG_PAUSE_POLL_S)
+
+    async def continue_generation(self) -> None:
+        """``TokenizerManager.continue_generation``."""
+        async with self.is_pause_cond:
+            self.is_pause = False
+            self.is_pause_cond.notify_all()
+
+    async def release_memory_occupation(self) -> None:
+        """``Scheduler.release_memory_occupation``: ``assert self.is_fully_idle()``."""
+        assert self.engine.is_idle, "release_memory_occupation should be called only when server is idle."
+
+    def stats(self) -> SglangTokenizerStats:
+        leaked = sum(rid in self.rid_to_state for rid in self._cancelled_parked)
+        return SglangTokenizerStats(len(self.rid_to_state), leaked, self._in_flight, self.is_pause)
+
+
+class CpuSglangServer(_CpuServerBase):
+    """The counterpart of verl 0.9.1's ``SGLangHttpServer`` (``sglang_rollout/async_sglang_server.py``) over
+    :class:`SglangTokenizerManager`, exactly as verl ships it: ``abort_all_requests()`` takes no
+    ``reject_request``, there is no ``abort_request``, and a cancelled ``generate`` sends no abort.
+    :func:`~verl_partial.glue.sglang_server.apply_sglang_server_fix` adds those, to this class as to verl's."""
+
+    def __init__(
+        self,
+        config: RolloutConfig | DictConfig,
+        model_config: HFModelConfig | DictConfig,
+        replica_rank: int,
+        virtual_step_s: float | None = None,
+    ):
+        super().__init__(config, model_config, replica_rank, "sglang", virtual_step_s)
+        self.node_rank = 0
+        self.tokenizer_manager = SglangTokenizerManager(self.engine)
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        request_id: str,
+        image_data: list[Any] | None = None,
+        video_data: list[Any] | None = None,
+    ) -> TokenOutput:
+        """``SGLangHttpServer.generate``: ``max_new_tokens`` clamped to ``[0, max_model_len - prompt - 1]``, the
+        finish type ("stop"/"length"/"abort") passed through as ``stop_reason``, log-probs dropped (``[]``) when
+        SGLang's logprob list does not match its ``output_ids``."""
+        if image_data or video_data:
+            raise ValueError("the CPU rollout backend is text-only")
+        prompt_ids = [int(token) for token in prompt_ids]
+        max_possible_tokens = self.max_model_len - len(prompt_ids) - 1
+        if max_possible_tokens < 0:
+            raise ValueError(
+                f"Prompt length ({len(prompt_ids)}) exceeds the model's maximum context length ({self.max_model_len})."
+            )
+        sampling_params = dict(sampling_params)
+        max_new_tokens = sampling_params.pop(
+            "max_new_tokens", sampling_params.pop("max_tokens", self._default_max_tokens(len(prompt_ids)))
+        )
+        return_logprob = bool(sampling_params.pop("logprobs", False))
+        params = to_engine_params(sampling_params, default_max_tokens=max(0, min(max_new_tokens, max_possible_tokens)))
+        obj = {"rid": request_id, "input_ids": prompt_ids, "sampling_params": params, "return_logprob": return_logprob}
+        output = await self.tokenizer_manager.generate_request(obj, None).__anext__()
+        meta_info = output["meta_info"]
+        token_ids = list(output["output_ids"])
+        log_probs: list[float] | None = None
+        if return_logprob:
+            entries = meta_info.get("output_token_logprobs") or []
+            if entries and len(entries) == len(token_ids):
+                log_probs = [float(log_prob) for log_prob, _, _ in entries]
+            else:
+                token_ids, log_probs = [], []
+        return TokenOutput(
+            token_ids=token_ids,
+            log_probs=log_probs,
+            stop_reason=meta_info["finish_reason"]["type"],
+            extra_fields={"global_steps": self.global_steps},
+        )
+
+    async def abort_all_requests(self) -> None:
+        """``SGLangHttpServer.abort_all_requests``: ``pause_generation(mode="abort")``."""
+        await self.tokenizer_manager.pause_generation(mode="abort")
+
+    async def resume_generation(self) -> None:
+        """``SGLangHttpServer.resume_generation``: ``continue_generation``."""
+        await self.tokenizer_manager.continue_generation()
+
+    async def sleep(self) -> None:
+        """``SGLangHttpServer.sleep`` (hybrid): ``release_memory_occupation``, which asserts an idle scheduler."""
+        if self.config.free_cache_engine:
+            await self.tokenizer_manager.release_memory_occupation()
+
+    def tokenizer_stats(self) -> dict[str, Any]:
+        return dataclasses.asdict(self.tokenizer_manager.stats())
+
+
+class FixedCpuSglangServer(CpuSglangServer):
+    """:class:`CpuSglangServer` with verl-partial's SGLang server fix, applied as it is to verl's class."""
+
+
+apply_sglang_server_fix(FixedCpuSglangServer)
+
+
 class CpuReplica(RolloutReplica):
     """One CPU server per replica, placed next to the replica's FSDP workers (hybrid mode only)."""
 
+    server_cls: type[_CpuServerBase] = CpuRolloutServer
+
     async def launch_servers(self) -> None:
-        server_cls = ray.remote(CpuRolloutServer)
+        server_cls = ray.remote(self.server_cls)
         name = server_actor_name(self.replica_rank, self.name_suffix)
         server = server_cls.options(name=name, max_concurrency=self.max_concurrency, num_cpus=0).remote(
             config=self.config, model_config=self.model_config, replica_rank=self.replica_rank
@@ -265,6 +576,28 @@ class CpuReplica(RolloutReplica):
 
     def rollout_worker_use_gpu(self) -> bool:
         return False
+
+
+class CpuSglangReplica(CpuReplica):
+    """``+backend=cpu_sglang``: verl's ``SGLangReplica`` control calls over the fixed SGLang double.
+
+    Like ``SGLangReplica``, control goes to ``servers[0]`` only and ``abort_all_requests`` ignores
+    ``reject_request`` (with verl's warning); a caller wanting the rejecting gate calls the server's
+    ``abort_all_requests(reject_request=True)``, which the fix adds.
+    """
+
+    server_cls = FixedCpuSglangServer
+
+    async def abort_all_requests(self, reject_request: bool = False) -> None:
+        if reject_request:
+            logger.warning(
+                "SGLang rollout ignores reject_request=True: requests arriving while generation "
+                "is paused will wait for the next resume_generation() instead of failing over."
+            )
+        await self.servers[0].abort_all_requests.remote()
+
+    async def resume_generation(self) -> None:
+        await self.servers[0].resume_generation.remote()
 
 
 class CpuServerAdapter(BaseRollout):

@@ -1,0 +1,272 @@
+"""SGLang mode of the CPU test server (SGLang 0.5.12 semantics behind verl 0.9.1's SGLangHttpServer), each behaviour
+shown on the double as verl ships it (``CpuSglangServer``: the bug) and with verl-partial's server fix applied the way
+``verl_patches`` applies it to verl's class (``FixedCpuSglangServer``: the fix). Everything runs on the virtual clock
+(engine steps of ``STEP_S``), so no assertion depends on wall-clock time."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+from verl.workers.config import HFModelConfig, RolloutConfig
+from verl.workers.rollout import base as rollout_base
+from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+from verl_partial import verl_patches
+from verl_partial.cpu_backend.rollout import (
+    SGLANG_PAUSE_POLL_S,
+    CpuSglangReplica,
+    CpuSglangServer,
+    FixedCpuSglangServer,
+)
+from verl_partial.glue.sglang_server import apply_sglang_server_fix
+from verl_partial.sim.clock import run_virtual
+
+STEP_S = 0.01
+LONG = {"max_tokens": 40, "ignore_eos": True, "logprobs": True}
+PROMPT = [3, 17, 29, 41, 5]
+
+
+def make(demo_assets, cls=FixedCpuSglangServer, max_num_seqs: int = 4, max_model_len: int | None = None):
+    config = RolloutConfig(
+        name="sglang", prompt_length=32, response_length=64, max_num_seqs=max_num_seqs, max_model_len=max_model_len
+    )
+    return cls(
+        config=config,
+        model_config=HFModelConfig(path=str(demo_assets.model_dir)),
+        replica_rank=0,
+        virtual_step_s=STEP_S,
+    )
+
+
+def call(server, request_id: str, params=LONG, prompt=PROMPT):
+    return asyncio.ensure_future(server.generate(prompt_ids=prompt, sampling_params=dict(params), request_id=request_id))
+
+
+def tokens(server, request_id: str) -> int:
+    return server.engine.tokens_so_far(request_id)
+
+
+def test_stop_reasons_are_sglangs_stop_length_abort(demo_assets):
+    """SGLangHttpServer passes SGLang's finish type through: "stop" at EOS, "length" at max_new_tokens, "abort"."""
+
+    async def main():
+        server = make(demo_assets)
+        eos = min(server.engine.eos_token_ids)
+        stop = call(server, "stop/", {"max_tokens": 64, "logprobs": True}, prompt=PROMPT)
+        length = call(server, "length/", {"max_tokens": 3, "ignore_eos": True, "logprobs": True})
+        aborted = call(server, "abort/")
+        await server.engine.wait_until(lambda: tokens(server, "abort/") >= 2)
+        assert await server.take_back_requests(["abort/"]) == ["abort/"]
+        out_stop, out_length, out_abort = await stop, await length, await aborted
+        if out_stop.token_ids[-1] in server.engine.eos_token_ids:  # the demo model may run to max_tokens instead
+            assert out_stop.stop_reason == "stop"
+        else:
+            assert out_stop.stop_reason == "length" and len(out_stop.token_ids) == 64
+        assert (out_length.stop_reason, len(out_length.token_ids)) == ("length", 3)
+        assert out_abort.stop_reason == "abort" and len(out_abort.log_probs) == len(out_abort.token_ids)
+        assert eos not in out_length.token_ids or out_length.stop_reason == "length"
+
+    run_virtual(main())
+
+
+@pytest.mark.parametrize("cls", [CpuSglangServer, FixedCpuSglangServer])
+def test_abort_all_gives_each_running_request_one_more_token_and_queued_ones_none(demo_assets, cls):
+    """Scheduler.abort_request "Abort method 3" (running: to_finish, one more decode) and "method 1" (queued:
+    popped, no tokens); verl's abort_all_requests is pause_generation(mode="abort"). Same with and without the fix."""
+
+    async def main():
+        server = make(demo_assets, cls, max_num_seqs=2)
+        calls = [call(server, f"r{i}/") for i in range(3)]
+        await server.engine.wait_until(lambda: tokens(server, "r0/") >= 3 and tokens(server, "r1/") >= 3)
+        seen = [tokens(server, "r0/"), tokens(server, "r1/")]
+        await server.abort_all_requests()
+        outputs = [await c for c in calls]
+        assert [o.stop_reason for o in outputs] == ["abort"] * 3
+        assert [len(o.token_ids) for o in outputs] == [seen[0] + 1, seen[1] + 1, 0]
+        assert server.engine.is_idle
+
+    run_virtual(main())
+
+
+def test_pause_generation_polls_until_no_request_holds_the_reader_lock(demo_assets):
+    """TokenizerManager.pause_generation re-sends abort-all every second while a request is in flight, so an abort
+    with running requests lasts one poll on SGLang."""
+
+    async def main():
+        server = make(demo_assets)
+        running = call(server, "r/")
+        await server.engine.wait_until(lambda: tokens(server, "r/") >= 1)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        await server.abort_all_requests()
+        assert loop.time() - started == pytest.approx(SGLANG_PAUSE_POLL_S)
+        assert (await running).stop_reason == "abort"
+
+    run_virtual(main())
+
+
+def test_max_new_tokens_is_capped_one_below_the_context_and_zero_answers_an_empty_length(demo_assets):
+    """SGLangHttpServer.generate clamps max_new_tokens to [0, max_model_len - prompt - 1]; 0 gives a 0-token
+    "length" (SGLang's phantom log-prob entry makes verl return [] tokens and [] log-probs)."""
+
+    async def main():
+        capped = make(demo_assets, max_model_len=len(PROMPT) + 4)
+        out = await call(capped, "c/", {"max_tokens": 60, "ignore_eos": True, "logprobs": True})
+        assert (out.stop_reason, len(out.token_ids)) == ("length", 3)
+        full = make(demo_assets, max_model_len=len(PROMPT) + 1)
+        empty = await call(full, "e/", {"max_tokens": 60, "logprobs": True})
+        assert (empty.token_ids, empty.log_probs, empty.stop_reason) == ([], [], "length")
+        again = await call(full, "e2/", {"max_tokens": 60})
+        assert (again.token_ids, again.stop_reason) == ([], "length")
+        assert make(demo_assets).max_model_len == 1024  # max_model_len null: the model's max_position_embeddings
+
+    run_virtual(main())
+
+
+def test_unfixed_pause_gate_parks_late_arrivals_and_has_no_reject(demo_assets):
+    """verl's SGLangHttpServer.abort_all_requests takes no reject_request (SGLangReplica warns and drops it): a call
+    arriving after the abort parks at is_pause_cond until resume_generation, then runs."""
+
+    async def main():
+        server = make(demo_assets, CpuSglangServer)
+        with pytest.raises(TypeError):
+            await server.abort_all_requests(reject_request=True)
+        await server.abort_all_requests()
+        late = call(server, "late/", {"max_tokens": 4, "ignore_eos": True, "logprobs": True})
+        await asyncio.sleep(5.0)
+        assert not late.done() and server.engine.stats.prefill_tokens == 0
+        await server.resume_generation()
+        assert len((await late).token_ids) == 4
+
+    run_virtual(main())
+
+
+def test_fixed_rejecting_gate_refuses_late_arrivals_without_entering_sglang(demo_assets):
+    async def main():
+        server = make(demo_assets)
+        await server.abort_all_requests(reject_request=True)
+        late = await call(server, "late/")
+        assert (late.token_ids, late.log_probs, late.stop_reason) == ([], None, "abort")
+        assert server.tokenizer_manager.stats().request_states == 0 and server.engine.stats.prefill_tokens == 0
+        await server.resume_generation()
+        assert len((await call(server, "after/", {"max_tokens": 4, "ignore_eos": True})).token_ids) == 4
+        await server.abort_all_requests()  # without reject_request: SGLang's parking gate, as before the fix
+        parked = call(server, "parked/", {"max_tokens": 4, "ignore_eos": True})
+        await asyncio.sleep(5.0)
+        assert not parked.done()
+        await server.resume_generation()
+        assert len((await parked).token_ids) == 4
+
+    run_virtual(main())
+
+
+def test_unfixed_cancel_keeps_decoding_and_sleep_asserts(demo_assets):
+    """SGLang's generate_request has no CancelledError handler: the request keeps its slot and decodes to the end;
+    release_memory_occupation (verl's sleep) meanwhile asserts is_fully_idle()."""
+
+    async def main():
+        server = make(demo_assets, CpuSglangServer)
+        running = call(server, "c/")
+        await server.engine.wait_until(lambda: tokens(server, "c/") >= 2)
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        await server.engine.wait_until(lambda: tokens(server, "c/") >= 10)
+        assert server.engine.num_running == 1 and "c/" in server.tokenizer_manager.rid_to_state
+        with pytest.raises(AssertionError, match="idle"):
+            await server.sleep()
+        await server.engine.wait_until(lambda: server.engine.is_idle)
+        assert server.engine.stats.generated_tokens == 40  # it ran to max_tokens for nobody
+        assert server.tokenizer_manager.stats().request_states == 0
+        await server.sleep()
+
+    run_virtual(main())
+
+
+def test_fixed_cancel_aborts_the_request(demo_assets):
+    async def main():
+        server = make(demo_assets)
+        running = call(server, "c/")
+        await server.engine.wait_until(lambda: tokens(server, "c/") >= 2)
+        seen = tokens(server, "c/")
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        await server.engine.wait_until(lambda: server.engine.is_idle)
+        assert server.engine.stats.generated_tokens == seen + 1  # the abort's one extra token, then nothing
+        assert server.tokenizer_manager.stats().request_states == 0
+        await server.sleep()
+
+    run_virtual(main())
+
+
+@pytest.mark.parametrize("cls, leaked", [(CpuSglangServer, 1), (FixedCpuSglangServer, 0)])
+def test_a_call_cancelled_while_parked_leaks_its_state_unless_fixed(demo_assets, cls, leaked):
+    """_init_req_state runs before the pause gate; a call cancelled there never reaches the scheduler, so nothing
+    deletes its rid_to_state entry (SGLang). The fix drops it on cancel."""
+
+    async def main():
+        server = make(demo_assets, cls)
+        await server.abort_all_requests()
+        parked = call(server, "p/")
+        await asyncio.sleep(1.0)
+        parked.cancel()
+        await asyncio.gather(parked, return_exceptions=True)
+        await server.resume_generation()
+        await asyncio.sleep(1.0)
+        stats = server.tokenizer_manager.stats()
+        assert (stats.leaked_request_states, stats.request_states) == (leaked, leaked)
+        assert server.engine.stats.prefill_tokens == 0
+
+    run_virtual(main())
+
+
+def test_take_back_matches_ids_by_prefix_so_ids_must_be_prefix_free(demo_assets):
+    """Scheduler.abort_request ends every request whose id starts with the given one: "g/1" also ends "g/10";
+    with terminated ids ("g/1/") only the named call ends. Running: tokens + 1; queued: none; unknown: untouched."""
+
+    async def main():
+        server = make(demo_assets, max_num_seqs=3)
+        calls = {rid: call(server, rid) for rid in ("g/1", "g/10", "h/1/", "h/10/", "q/")}
+        await server.engine.wait_until(lambda: all(tokens(server, r) >= 2 for r in ("g/1", "g/10", "h/1/")))
+        seen = {rid: tokens(server, rid) for rid in ("g/1", "g/10", "h/1/")}
+        assert await server.take_back_requests(["g/1", "h/1/", "q/", "unknown/"]) == ["g/1", "h/1/", "q/"]
+        out = {rid: await calls[rid] for rid in ("g/1", "g/10", "h/1/", "q/")}
+        assert all(o.stop_reason == "abort" for o in out.values())
+        assert [len(out[r].token_ids) for r in ("g/1", "g/10", "h/1/")] == [seen[r] + 1 for r in seen]
+        assert out["q/"].token_ids == []
+        assert len((await calls["h/10/"]).token_ids) == 40  # untouched
+
+    run_virtual(main())
+
+
+def test_unfixed_server_has_no_per_request_take_back():
+    assert not hasattr(CpuSglangServer, "take_back_requests")
+    assert hasattr(FixedCpuSglangServer, "take_back_requests")
+
+
+def test_sglang_fix_is_applied_once_and_by_the_after_import_hook():
+    class Server:
+        async def generate(self, prompt_ids, sampling_params, request_id):
+            return None
+
+        async def abort_all_requests(self):
+            return None
+
+        async def resume_generation(self):
+            return None
+
+    module = SimpleNamespace(SGLangHttpServer=Server)
+    verl_patches._fix_sglang_server(module)
+    patched = Server.generate
+    assert apply_sglang_server_fix(Server) is Server and Server.generate is patched
+    assert hasattr(Server, "take_back_requests")
+
+
+def test_cpu_sglang_backend_makes_sglang_resolve_to_the_double(monkeypatch):
+    monkeypatch.setattr(RolloutReplicaRegistry, "_registry", dict(RolloutReplicaRegistry._registry))
+    monkeypatch.setattr(rollout_base, "_ROLLOUT_REGISTRY", dict(rollout_base._ROLLOUT_REGISTRY))
+    monkeypatch.setenv(verl_patches.CPU_SGLANG_ENV, "1")
+    verl_patches.install_sglang_support()
+    assert RolloutReplicaRegistry.get("sglang") is CpuSglangReplica
+    assert rollout_base._ROLLOUT_REGISTRY[("sglang", "async")] == verl_patches.CPU_SERVER_ADAPTER
