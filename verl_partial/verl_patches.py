@@ -67,6 +67,7 @@ def install() -> None:
     _wrap_driver_entry()
     _wrap_trainer()
     after_import(VLLM_SERVER_MODULE, _add_vllm_take_back)
+    install_sglang_support()
 
 
 def install_failure_guard(error: BaseException) -> None:
@@ -390,6 +391,43 @@ def after_import(module_name: str, callback: Callable[[ModuleType], None]) -> No
         callback(sys.modules[module_name])
     else:
         sys.meta_path.insert(0, _AfterImport(module_name, callback))
+
+
+# ---------------------------------------------------------------------------------------------- SGLang server
+SGLANG_SERVER_MODULE = "verl.workers.rollout.sglang_rollout.async_sglang_server"
+# Exported to every Ray process by hydra_configs/backend/cpu_sglang.yaml.
+CPU_SGLANG_ENV = "VERL_PARTIAL_CPU_SGLANG"
+CPU_SGLANG_ROLLOUT_NAME = "sglang"
+
+
+def install_sglang_support() -> None:
+    """verl-partial's fix of verl's ``SGLangHttpServer`` wherever that module is imported (inert for callers that
+    use neither ``reject_request`` nor ``take_back_requests``; a cancelled call now stops its request), and, in
+    processes of a ``+backend=cpu_sglang`` run only, "sglang" served by the CPU SGLang double."""
+    after_import(SGLANG_SERVER_MODULE, _fix_sglang_server)
+    if os.environ.get(CPU_SGLANG_ENV) == "1":
+        _register_cpu_sglang_backend()
+
+
+def _fix_sglang_server(module: ModuleType) -> None:
+    from verl_partial.glue.sglang_server import apply_sglang_server_fix
+
+    apply_sglang_server_fix(module.SGLangHttpServer)
+
+
+def _register_cpu_sglang_backend() -> None:
+    """``rollout.name=sglang`` resolves to :class:`~verl_partial.cpu_backend.rollout.CpuSglangReplica` and its
+    in-worker adapter, through the same registries ``_register_cpu_backend`` uses for "cpu"."""
+    from verl.workers.rollout import base as rollout_base
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    def load_cpu_sglang_replica():
+        from verl_partial.cpu_backend.rollout import CpuSglangReplica
+
+        return CpuSglangReplica
+
+    RolloutReplicaRegistry.register(CPU_SGLANG_ROLLOUT_NAME, load_cpu_sglang_replica)
+    rollout_base._ROLLOUT_REGISTRY[(CPU_SGLANG_ROLLOUT_NAME, "async")] = CPU_SERVER_ADAPTER
 
 
 # ---------------------------------------------------------------------------------------------- vLLM server

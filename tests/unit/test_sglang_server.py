@@ -41,7 +41,9 @@ def make(demo_assets, cls=FixedCpuSglangServer, max_num_seqs: int = 4, max_model
 
 
 def call(server, request_id: str, params=LONG, prompt=PROMPT):
-    return asyncio.ensure_future(server.generate(prompt_ids=prompt, sampling_params=dict(params), request_id=request_id))
+    return asyncio.ensure_future(
+        server.generate(prompt_ids=prompt, sampling_params=dict(params), request_id=request_id)
+    )
 
 
 def tokens(server, request_id: str) -> int:
