@@ -297,12 +297,12 @@ def test_split_by_lag_keeps_only_rows_holding_the_lag() -> None:
 def test_staleness_mask_zeroes_tokens_older_than_the_limit_and_counts_them() -> None:
     batch = _versioned_batch()
     before = batch.batch["response_mask"].clone()
-    metrics = apply_staleness_mask(batch, dataclasses.replace(preset("token_is"), max_token_staleness=1), 7)
+    metrics = apply_staleness_mask(batch, dataclasses.replace(preset("token_is"), max_staleness=1), 7)
     assert metrics == {STALE_TOKENS_METRIC: 2.0}
     expected = before.clone()
     expected[3, :2] = 0
     assert torch.equal(batch.batch["response_mask"], expected)
-    metrics = apply_staleness_mask(batch, dataclasses.replace(preset("token_is"), max_token_staleness=0), 7)
+    metrics = apply_staleness_mask(batch, dataclasses.replace(preset("token_is"), max_staleness=0), 7)
     assert metrics == {STALE_TOKENS_METRIC: 11.0}  # the lag-1 tokens: 3 + 6 + 2
 
 
@@ -312,8 +312,8 @@ def test_staleness_mask_is_off_by_default_and_needs_versions_when_on() -> None:
     assert apply_staleness_mask(batch, preset("token_is"), CURRENT_VERSION) == {}
     assert torch.equal(batch.batch["response_mask"], before)
     batch.batch.pop(POLICY_VERSION_KEY)
-    with pytest.raises(ValueError, match="rollout_correction.max_token_staleness=1 needs the per-token"):
-        apply_staleness_mask(batch, dataclasses.replace(preset("token_is"), max_token_staleness=1), 7)
+    with pytest.raises(ValueError, match="rollout_correction.max_staleness=1 needs the per-token"):
+        apply_staleness_mask(batch, dataclasses.replace(preset("token_is"), max_staleness=1), 7)
 
 
 # --------------------------------------------------------------------------------------------

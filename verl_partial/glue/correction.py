@@ -81,22 +81,22 @@ def compute_lag_split_metrics(batch: DataProto, cfg: RolloutCorrectionConfig, cu
 
 
 def apply_staleness_mask(batch: DataProto, cfg: RolloutCorrectionConfig, current_version: int) -> dict[str, float]:
-    """Zero ``response_mask`` for tokens older than ``cfg.max_token_staleness`` versions; count them.
+    """Zero ``response_mask`` for tokens older than ``cfg.max_staleness`` versions; count them.
 
-    A no-op returning ``{}`` when ``max_token_staleness`` is null. Replaces the mask tensor rather
+    A no-op returning ``{}`` when ``max_staleness`` is null. Replaces the mask tensor rather
     than editing it in place, as verl's own rejection sampling does, so views taken earlier keep
     the unmasked values.
     """
-    if cfg.max_token_staleness is None:
+    if cfg.max_staleness is None:
         return {}
     tensors = batch.batch
     if POLICY_VERSION_KEY not in tensors.keys():
         raise ValueError(
-            f"{BLOCK}.max_token_staleness={cfg.max_token_staleness} needs the per-token {POLICY_VERSION_KEY!r} "
+            f"{BLOCK}.max_staleness={cfg.max_staleness} needs the per-token {POLICY_VERSION_KEY!r} "
             "tensor in the batch (written by partial rollout); without it no token's age is known"
         )
     lags = token_lags(tensors[POLICY_VERSION_KEY], current_version, tensors["response_mask"])
-    tensors["response_mask"], masked = mask_stale_tokens(tensors["response_mask"], lags, cfg.max_token_staleness)
+    tensors["response_mask"], masked = mask_stale_tokens(tensors["response_mask"], lags, cfg.max_staleness)
     return {STALE_TOKENS_METRIC: float(masked)}
 
 
