@@ -1,9 +1,10 @@
 """The scheduler's backend protocol, served by simulated vLLM servers in virtual time.
 
 ``run_step`` drives this exactly as it drives the glue's Ray workers: waves of calls routed to named servers,
-``abort_all`` at the step end (gates close; running calls return ABORTED with their tokens), ``cancel``,
-``resume``. The answer lengths come from the workload; the token ids and log-probs are zeros (timing does not
-depend on them).
+``abort_all`` at the step end (gates close, vLLM's barrier waits for queued requests' first output, then running
+calls return ABORTED with their tokens), ``take_back`` (per-request abort: tokens come back), ``cancel`` (Ray
+cancel: the call gets nothing back), ``resume``. The answer lengths come from the workload; the token ids and
+log-probs are zeros (timing does not depend on them).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from verl_partial.core.finish import Finish
 from verl_partial.core.pool import GroupState, SegmentRequest, SegmentResult
 from verl_partial.sim.engine import EngineOutcome, ServerSpec, SimServer
 from verl_partial.sim.workload import Workload
@@ -29,7 +31,7 @@ class SimBackend:
         # Per sample: (attempt, tokens it held last time we saw it). A prefix shorter than what it held means
         # the pool restarted it from its prompt: a new answer is drawn.
         self._attempts: dict[tuple[str, int], tuple[int, int]] = {}
-        self._calls: dict[str, tuple[SimServer, asyncio.Future[EngineOutcome]]] = {}
+        self._calls: dict[str, tuple[SimServer, asyncio.Future[EngineOutcome], asyncio.Future[SegmentResult]]] = {}
 
     @property
     def servers(self) -> Sequence[str]:
@@ -57,8 +59,8 @@ class SimBackend:
                 eos_after=length - request.prefix_len,
                 max_new=request.max_new_tokens,
             )
-            self._calls[request.request_id] = (engine, outcome)
             result: asyncio.Future[SegmentResult] = loop.create_future()
+            self._calls[request.request_id] = (engine, outcome, result)
             outcome.add_done_callback(lambda done, r=request, f=result, k=group.key: self._answer(k, r, done, f))
             futures.append(result)
         return futures
@@ -71,30 +73,41 @@ class SimBackend:
         result: asyncio.Future[SegmentResult],
     ) -> None:
         self._calls.pop(request.request_id, None)
+        if result.done():
+            return  # cancelled: its tokens never reached the client, so the sample does not hold them
         outcome = done.result()
         attempt, _ = self._attempts[(key, request.ref.index)]
         self._attempts[(key, request.ref.index)] = (attempt, request.prefix_len + outcome.tokens)
-        if not result.done():
-            result.set_result(
-                SegmentResult(
-                    new_ids=np.zeros(outcome.tokens, dtype=np.int32),
-                    new_log_probs=np.zeros(outcome.tokens, dtype=np.float32),
-                    finish=outcome.finish,
-                    server=request.server,
-                    server_version=self.version,
-                )
-            )
+        result.set_result(self._segment(request, outcome.tokens, outcome.finish))
 
-    async def cancel(self, requests: list[SegmentRequest]) -> None:
+    def _segment(self, request: SegmentRequest, tokens: int, finish: Finish) -> SegmentResult:
+        return SegmentResult(
+            new_ids=np.zeros(tokens, dtype=np.int32),
+            new_log_probs=np.zeros(tokens, dtype=np.float32),
+            finish=finish,
+            server=request.server,
+            server_version=self.version,
+        )
+
+    async def take_back(self, requests: list[SegmentRequest]) -> None:
+        """Abort each call at its server by request id; it answers ABORTED with its tokens so far."""
         for request in requests:
             call = self._calls.get(request.request_id)
             if call is not None:
-                engine, outcome = call
-                engine.cancel(outcome)
+                call[0].abort_request(call[1])
+
+    async def cancel(self, requests: list[SegmentRequest]) -> None:
+        """Ray cancel: the engine aborts the request (vLLM does on ``CancelledError``) and the call gets nothing."""
+        for request in requests:
+            call = self._calls.pop(request.request_id, None)
+            if call is not None:
+                engine, outcome, result = call
+                engine.abort_request(outcome)
+                if not result.done():
+                    result.set_result(self._segment(request, 0, Finish.ABORTED))
 
     async def abort_all(self) -> None:
-        for engine in self.engines.values():
-            engine.abort_all()
+        await asyncio.gather(*[engine.abort_all_requests() for engine in self.engines.values()])
 
     async def resume(self) -> None:
         for engine in self.engines.values():

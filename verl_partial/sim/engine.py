@@ -16,6 +16,10 @@ What it models, and why each piece matters for partial rollout:
   (recomputed later, vLLM's default) when decoding would overflow it. ``max_num_seqs`` caps requests.
 * **Prefill.** Chunked (vLLM V1): each step carries the decodes plus up to ``max_num_batched_tokens``
   prompt tokens; compute bound for large chunks.
+* **Aborts as verl's vLLM server does them.** ``abort_all_requests`` closes the gate and first waits (up to 60 s)
+  for every admitted request to produce an output, so requests queued behind ``max_num_seqs`` or the KV cache hold
+  the step end while running ones keep decoding; ``abort_request`` ends one request with its tokens so far (none
+  while queued). A cancelled call gets nothing back (``SimBackend.cancel``).
 * **Prefix cache wiped at each weight update.** A resumed sample re-prefills its prompt and all its
   tokens on the new weights; siblings of a group share their prompt's cached blocks.
 
@@ -39,6 +43,8 @@ from verl_partial.sim.hardware import Efficiency, GpuSpec, ModelSpec
 
 # Longest run of decode steps planned at once; a bound on the numpy arrays, not a model parameter.
 _MAX_PLANNED_STEPS = 1 << 16
+# verl 0.9.1 ``vllm_async_server._GATE_BARRIER_TIMEOUT_S``: how long an abort waits for queued requests' first output.
+GATE_BARRIER_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -193,6 +199,7 @@ class SimServer:
         self._segment_cum: np.ndarray | None = None
         self._segment_apply: Callable[[int], None] | None = None
         self._segment_steps = 0
+        self._changed = asyncio.Event()  # set at every step boundary: the abort barrier re-checks the queue
 
     # ------------------------------------------------------------------ control
     @property
@@ -218,13 +225,30 @@ class SimServer:
         return future
 
     def abort_all(self, *, close_gate: bool = True) -> None:
-        """vLLM's ``abort_all_requests(reject_request=True)``: running requests end ABORTED with their tokens."""
+        """vLLM's ``pause_generation``: every request ends ABORTED at the next step boundary, running ones with their
+        tokens, queued ones with none (or what they held before a preemption)."""
         self.gate_open = not close_gate
         self.aborting = True
         self._poke()
 
-    def cancel(self, future: asyncio.Future[EngineOutcome]) -> None:
-        """Abort one request at the server (it ends ABORTED with its tokens at the next step boundary)."""
+    async def abort_all_requests(self) -> None:
+        """verl's ``vLLMHttpServer.abort_all_requests(reject_request=True)``: close the gate, then wait -- up to
+        ``_GATE_BARRIER_TIMEOUT_S`` -- while an admitted request has no output yet (``_admitting > 0``: queued
+        behind ``max_num_seqs`` or the KV cache, or prefilling), running requests decoding meanwhile; then pause."""
+        loop = self.loop
+        self.gate_open = False
+        deadline = loop.time() + GATE_BARRIER_TIMEOUT_S
+        while any(r.generated == 0 for r in (*self.waiting, *self.prefilling)) and loop.time() < deadline:
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), deadline - loop.time())
+            except asyncio.TimeoutError:
+                break
+        self.abort_all()
+
+    def abort_request(self, future: asyncio.Future[EngineOutcome]) -> None:
+        """vLLM's ``abort_request(request_id)``: a request the engine holds ends ABORTED at the next step boundary
+        with every token it generated (none while it waited for its first step); an unknown one is unaffected."""
         for queue in (self.waiting, self.prefilling, self.running):
             for request in queue:
                 if request.future is future:
@@ -274,6 +298,7 @@ class SimServer:
             self.aborting = False
         self._admit()
         self._plan()
+        self._changed.set()
 
     def _end(self, request: EngineRequest, finish: Finish) -> None:
         if request.context > request.prompt_len and request in self.running:
