@@ -131,16 +131,14 @@ def permutation_stats(
     rank_of = pos // (n // dp_size)
     mb_of = (pos % (n // dp_size)) // per_rank
     n_groups = int(codes.max()) + 1 if n else 0
-    groups_split = _count_multi(codes, mb_of, n_mb, n_groups)
-    groups_split_ranks = _count_multi(codes, rank_of, dp_size, n_groups)
     return BalanceStats(
         num_samples=n,
         num_groups=n_groups,
         dp_size=dp_size,
         mini_batch_size=mini_batch_size,
         num_minibatches=n_mb,
-        groups_split=groups_split,
-        groups_split_across_ranks=groups_split_ranks,
+        groups_split=_count_multi(codes, mb_of, n_mb, n_groups),
+        groups_split_across_ranks=_count_multi(codes, rank_of, dp_size, n_groups),
         minibatch_max_rank_cost=tuple(mb_max.tolist()),
         minibatch_mean_rank_cost=tuple(mb_mean.tolist()),
         efficiency=efficiency,

@@ -128,26 +128,25 @@ def guard_all_rejected(policy_loss_fn: PolicyLossFn) -> PolicyLossFn:
         config: Any = None,
         rollout_is_weights: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, dict[str, Any]]:
+        settings = {"loss_agg_mode": loss_agg_mode, "config": config, "rollout_is_weights": rollout_is_weights}
         if response_mask.any():
+            # By keyword, as verl's ppo_loss calls it: a user-registered loss need not take them in this order.
             loss, metrics = policy_loss_fn(
                 old_log_prob=old_log_prob,
                 log_prob=log_prob,
                 advantages=advantages,
                 response_mask=response_mask,
-                loss_agg_mode=loss_agg_mode,
-                config=config,
-                rollout_is_weights=rollout_is_weights,
+                **settings,
             )
             return loss, {**metrics, ALL_REJECTED_METRIC: float(_rejected_every_token(metrics, response_mask))}
         with torch.no_grad():
+            # The on-policy no-op: same keys as a real call, nothing to learn.
             _, metrics = policy_loss_fn(
                 old_log_prob=old_log_prob,
                 log_prob=old_log_prob,
                 advantages=torch.zeros_like(advantages),
                 response_mask=torch.ones_like(response_mask),
-                loss_agg_mode=loss_agg_mode,
-                config=config,
-                rollout_is_weights=rollout_is_weights,
+                **settings,
             )
         zero = torch.where(response_mask.bool(), log_prob, torch.zeros_like(log_prob)).sum()
         return zero, {**metrics, ALL_REJECTED_METRIC: 1.0}
