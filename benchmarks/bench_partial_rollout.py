@@ -189,9 +189,16 @@ class EngineSegmentBackend:
         self.engine = engine
         self.workload = workload
         self.to_finish = finish_mapper("cpu")
+        self.calls: dict[str, asyncio.Future[SegmentResult]] = {}
 
     def launch(self, wave: list[tuple[GroupState[Prompt], SegmentRequest]]) -> list[asyncio.Future[SegmentResult]]:
-        return [asyncio.ensure_future(self._segment(group, request)) for group, request in wave]
+        futures = []
+        for group, request in wave:
+            task = asyncio.ensure_future(self._segment(group, request))
+            self.calls[request.request_id] = task
+            task.add_done_callback(lambda _, rid=request.request_id: self.calls.pop(rid, None))
+            futures.append(task)
+        return futures
 
     async def _segment(self, group: GroupState[Prompt], request: SegmentRequest) -> SegmentResult:
         prefix = group.samples[request.ref.index].token_ids.tolist()
@@ -213,9 +220,17 @@ class EngineSegmentBackend:
             prompt_ids=np.asarray(group.prompt.ids, dtype=np.int32),
         )
 
-    async def cancel(self, requests: list[SegmentRequest]) -> None:
+    async def take_back(self, requests: list[SegmentRequest]) -> None:
         for request in requests:
             await self.engine.abort(request.request_id)  # its generate returns the tokens so far as "aborted"
+
+    async def cancel(self, requests: list[SegmentRequest]) -> None:
+        """Drop the calls: the engine stops them and the caller gets nothing back, as a Ray cancel does."""
+        for request in requests:
+            call = self.calls.get(request.request_id)
+            if call is not None:
+                call.cancel()
+            await self.engine.abort(request.request_id)
 
     async def abort_all(self) -> None:
         # Pause first so nothing queued is scheduled between the abort and the step's end (vLLM's pause_generation).

@@ -31,7 +31,8 @@ PROMPT_IDS = np.arange(3, 13, dtype=np.int32)  # every segment reports the same 
 
 
 class InstantBackend:
-    """Answers every call after ``length / TOKENS_PER_S`` virtual seconds; abort and cancel return the tokens so far."""
+    """Answers every call after ``length / TOKENS_PER_S`` virtual seconds; abort and take-back return the tokens so
+    far, a cancelled call gets nothing (as on every real engine)."""
 
     def __init__(self, seed: int = 0) -> None:
         self.rng = np.random.default_rng(seed)
@@ -63,10 +64,15 @@ class InstantBackend:
         done = int(min(length, (asyncio.get_running_loop().time() - started) * TOKENS_PER_S))
         self._answer(request_id, done, Finish.ABORTED)
 
-    async def cancel(self, requests: list[SegmentRequest]) -> None:
+    async def take_back(self, requests: list[SegmentRequest]) -> None:
         for request in requests:
             if request.request_id in self.pending:
                 self._abort(request.request_id)
+
+    async def cancel(self, requests: list[SegmentRequest]) -> None:
+        for request in requests:
+            if request.request_id in self.pending:
+                self._answer(request.request_id, 0, Finish.ABORTED)
 
     async def abort_all(self) -> None:
         for request_id in list(self.pending):
