@@ -3,6 +3,9 @@
 The reference for every log-prob is a plain recompute: one full forward of the same HF model over prompt + response,
 no cache, no batching. Matching it for requests that were batched with padding, joined and left mid-flight and moved
 between KV slots is what shows the engine's own forward and bookkeeping are right.
+
+Tests about timing (arrivals, aborts, pauses) run the engine on the virtual clock with steps of ``STEP_S``
+(``virtual_step_s``) and wait on the engine's own progress (``wait_until``), never on wall-clock sleeps.
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausa
 
 from verl_partial.cpu_backend.engine import CpuBatchedEngine, GenerationResult, SamplingParams, sample
 from verl_partial.cpu_backend.kv_model import UnsupportedModelError
+from verl_partial.sim.clock import run_virtual
 
 torch.set_num_threads(1)
 
 VOCAB = 512
 TOL = 1e-4
+STEP_S = 0.001
 T = TypeVar("T")
 
 
@@ -105,11 +110,8 @@ def _record_prefill_batches(engine: CpuBatchedEngine) -> list[list[int]]:
     return batches
 
 
-async def _wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.001)
+def _virtual(make: Callable[[], Awaitable[T]]) -> T:
+    return run_virtual(make())
 
 
 def test_concurrent_logprobs_match_plain_recompute(model: Qwen2ForCausalLM) -> None:
@@ -156,7 +158,7 @@ def test_requests_join_and_leave_without_draining(model: Qwen2ForCausalLM) -> No
     max_tokens = [6, 30, 12, 4, 25, 9, 15]
 
     async def main() -> tuple[list[GenerationResult], list[int], int, list[str]]:
-        engine = CpuBatchedEngine(model, eos_token_ids=set(), max_num_seqs=3, seed=0)
+        engine = CpuBatchedEngine(model, eos_token_ids=set(), max_num_seqs=3, seed=0, virtual_step_s=STEP_S)
         batches = _record_decode_batches(engine)
         moves = 0
         move_slot = engine._kv.move_slot
@@ -179,7 +181,7 @@ def test_requests_join_and_leave_without_draining(model: Qwen2ForCausalLM) -> No
         await engine.close()
         return results, batches, moves, finish_order
 
-    results, batches, moves, finish_order = _run(main)
+    results, batches, moves, finish_order = _virtual(main)
     assert max(batches) == 3
     assert moves > 0
     # r1 (30 tokens) was still running when later, shorter requests joined and finished.
@@ -312,25 +314,27 @@ def test_eos_stops_unless_ignored_and_max_model_len_caps(model: Qwen2ForCausalLM
 
 
 def test_abort_returns_partial_tokens_at_once(model: Qwen2ForCausalLM) -> None:
+    """vLLM semantics: an abort resolves the request's generate with its tokens so far before any further step."""
     long_prompt = _prompts(12)[0]
     short_prompt = long_prompt[:4]
 
     async def main() -> tuple[GenerationResult, GenerationResult]:
-        engine = CpuBatchedEngine(model, eos_token_ids=set())
+        engine = CpuBatchedEngine(model, eos_token_ids=set(), virtual_step_s=STEP_S)
         task = asyncio.create_task(engine.generate("long", long_prompt, SamplingParams(900, ignore_eos=True, seed=5)))
         other = asyncio.create_task(engine.generate("other", short_prompt, SamplingParams(max_tokens=600)))
-        await _wait_until(lambda: engine.stats.generated_tokens >= 20)
-        assert await engine.abort("long")
-        assert not await engine.abort("unknown-id")
-        aborted = await asyncio.wait_for(task, timeout=0.5)
-        assert not other.done()
-        await _wait_until(lambda: engine.num_running == 1)  # the aborted request left the batch
-        await engine.abort("other")
-        other_result = await asyncio.wait_for(other, timeout=0.5)
+        await engine.wait_until(lambda: engine.stats.generated_tokens >= 20)
+        steps = engine.stats.decode_steps
+        assert engine.abort("long")
+        assert not engine.abort("unknown-id")
+        aborted = await task
+        assert engine.stats.decode_steps == steps and not other.done()
+        await engine.wait_until(lambda: engine.num_running == 1)  # the aborted request left the batch
+        engine.abort("other")
+        other_result = await other
         await engine.close()
         return aborted, other_result
 
-    aborted, other = _run(main)
+    aborted, other = _virtual(main)
     for prompt, result in ((long_prompt, aborted), (short_prompt, other)):
         assert result.stop_reason == "aborted"
         assert 0 < len(result.token_ids) < 600
@@ -341,58 +345,65 @@ def test_abort_all_covers_waiting_requests_and_engine_stays_usable(model: Qwen2F
     prompts = _prompts(5, 6, 7)
 
     async def main() -> tuple[int, list[GenerationResult], GenerationResult]:
-        engine = CpuBatchedEngine(model, eos_token_ids=set(), max_num_seqs=1)
+        engine = CpuBatchedEngine(model, eos_token_ids=set(), max_num_seqs=1, virtual_step_s=STEP_S)
         params = SamplingParams(max_tokens=500, ignore_eos=True)
         tasks = [asyncio.create_task(engine.generate(f"r{i}", p, params)) for i, p in enumerate(prompts)]
-        await _wait_until(lambda: engine.stats.generated_tokens >= 3)
+        await engine.wait_until(lambda: engine.stats.generated_tokens >= 3)
         assert (engine.num_running, engine.num_waiting) == (1, 2)
-        count = await engine.abort_all()
-        results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=0.5)
+        assert not any(task.done() for task in tasks[1:])  # queued requests produce nothing
+        count = engine.abort_all()
+        results = await asyncio.gather(*tasks)
         assert engine.num_waiting == 0
         after = await engine.generate("after", prompts[0], SamplingParams(max_tokens=5))
         await engine.close()
         return count, results, after
 
-    count, results, after = _run(main)
+    count, results, after = _virtual(main)
     assert count == 3
     assert all(r.stop_reason == "aborted" for r in results)
     assert len(results[0].token_ids) > 0 and results[1].token_ids == results[2].token_ids == []
     assert after.stop_reason == "length" and len(after.token_ids) == 5
 
 
-def test_cancelled_generate_frees_its_slot(model: Qwen2ForCausalLM) -> None:
+def test_cancelled_generate_returns_nothing_and_frees_its_slot(model: Qwen2ForCausalLM) -> None:
+    """vLLM's AsyncLLM.generate aborts a request whose caller is cancelled: the caller gets no tokens, the engine
+    stops decoding it at once and its slot serves the next request."""
+
     async def main() -> GenerationResult:
-        engine = CpuBatchedEngine(model, eos_token_ids=set(), max_num_seqs=1)
+        engine = CpuBatchedEngine(model, eos_token_ids=set(), max_num_seqs=1, virtual_step_s=STEP_S)
         task = asyncio.create_task(engine.generate("r", _prompts(5)[0], SamplingParams(max_tokens=500)))
-        await _wait_until(lambda: engine.stats.generated_tokens >= 2)
+        await engine.wait_until(lambda: engine.stats.generated_tokens >= 2)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        result = await asyncio.wait_for(engine.generate("next", _prompts(3)[0], SamplingParams(4)), timeout=5)
+        assert engine.is_idle
+        stopped_at = engine.stats.generated_tokens
+        result = await engine.generate("next", _prompts(3)[0], SamplingParams(4))
+        assert engine.stats.generated_tokens == stopped_at + 4
         await engine.close()
         return result
 
-    assert len(_run(main).token_ids) == 4
+    assert len(_virtual(main).token_ids) == 4
 
 
 def test_pause_holds_requests_until_resume(model: Qwen2ForCausalLM) -> None:
     async def main() -> tuple[GenerationResult, GenerationResult]:
-        engine = CpuBatchedEngine(model, eos_token_ids=set())
+        engine = CpuBatchedEngine(model, eos_token_ids=set(), virtual_step_s=STEP_S)
         running = asyncio.create_task(engine.generate("running", _prompts(4)[0], SamplingParams(max_tokens=300)))
-        await _wait_until(lambda: engine.stats.generated_tokens >= 2)
+        await engine.wait_until(lambda: engine.stats.generated_tokens >= 2)
         engine.pause()
         queued = asyncio.create_task(engine.generate("queued", _prompts(6)[0], SamplingParams(max_tokens=5)))
-        await asyncio.sleep(0.1)  # the step in flight (about a millisecond) finishes
+        await asyncio.sleep(10 * STEP_S)  # the step in flight ends
         frozen = engine.stats.generated_tokens
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(100 * STEP_S)
         assert engine.stats.generated_tokens == frozen
         assert (engine.num_running, engine.num_waiting) == (1, 1) and not queued.done()
         engine.resume()
-        results = await asyncio.wait_for(asyncio.gather(running, queued), timeout=10)
+        results = await asyncio.gather(running, queued)
         await engine.close()
         return results[0], results[1]
 
-    running, queued = _run(main)
+    running, queued = _virtual(main)
     assert len(running.token_ids) == 300 and running.stop_reason == "length"
     assert len(queued.token_ids) == 5
 
@@ -439,9 +450,11 @@ def test_unsupported_architectures_fail_loudly() -> None:
         CpuBatchedEngine(sliding, eos_token_ids=set())
 
 
-def test_sampling_params_validation() -> None:
+def test_sampling_params_validation(model: Qwen2ForCausalLM) -> None:
     with pytest.raises(ValueError):
-        SamplingParams(max_tokens=0)
+        SamplingParams(max_tokens=-1)
+    with pytest.raises(ValueError, match="max_tokens must be >= 1"):  # vLLM refuses 0; SGLang allows it
+        _run(lambda: CpuBatchedEngine(model, eos_token_ids=set()).generate("z", [1, 2], SamplingParams(max_tokens=0)))
     with pytest.raises(ValueError):
         SamplingParams(max_tokens=1, top_p=0.0)
     with pytest.raises(ValueError):
@@ -482,3 +495,90 @@ def test_sample_picks_inside_support_with_renormalised_logprob(
     kept = row >= row.sort(descending=True).values[top_k - 1] if top_k > 0 else torch.ones_like(higher)
     probs_in_k = torch.softmax((row / temperature).masked_fill(~kept, float("-inf")), -1)
     assert float(probs_in_k[higher].sum()) < top_p + 1e-6
+
+
+# ------------------------------------------------------------------ SGLang semantics (SGLang 0.5.12)
+
+
+def _first_new_token_at(tokens: list[int], position: int) -> int:
+    """A token at ``position`` that appears nowhere before it, to serve as the EOS id of a greedy replay."""
+    return next(t for i, t in enumerate(tokens) if i >= position and t not in tokens[:i])
+
+
+def test_finish_check_order_of_each_semantics(model: Qwen2ForCausalLM) -> None:
+    """Req.check_finished (SGLang) tests max_new_tokens before EOS: an EOS that is the last allowed token ends as
+    "length"; vLLM's check_stop says EOS ("completed"). A length finish never exceeds max_tokens on either."""
+    prompt = _prompts(6)[0]
+    greedy = dict(temperature=0.0)
+
+    async def main() -> dict[str, GenerationResult]:
+        engine = CpuBatchedEngine(model, eos_token_ids=set(), virtual_step_s=STEP_S)
+        reference = await engine.generate("ref", prompt, SamplingParams(max_tokens=12, **greedy))
+        eos = _first_new_token_at(reference.token_ids, 3)
+        cut = reference.token_ids.index(eos) + 1
+        out = {}
+        for semantics in ("vllm", "sglang"):
+            engine = CpuBatchedEngine(model, eos_token_ids={eos}, semantics=semantics, virtual_step_s=STEP_S)
+            out[semantics] = await engine.generate("eos-last", prompt, SamplingParams(max_tokens=cut, **greedy))
+            out[f"{semantics}-room"] = await engine.generate("eos", prompt, SamplingParams(max_tokens=12, **greedy))
+            await engine.close()
+        out["ref"] = reference
+        return out
+
+    out = _virtual(main)
+    assert out["vllm"].token_ids == out["sglang"].token_ids == out["vllm-room"].token_ids
+    assert (out["vllm"].stop_reason, out["sglang"].stop_reason) == ("completed", "length")
+    assert out["vllm-room"].stop_reason == out["sglang-room"].stop_reason == "completed"
+
+
+def test_sglang_abort_decodes_one_more_token_and_reports_abort_even_for_eos(model: Qwen2ForCausalLM) -> None:
+    """Scheduler.abort_request sets to_finish on a running request; its next token is still decoded, and
+    check_finished reports "abort" before looking at EOS. vLLM: the abort ends it at once, token in flight dropped.
+    A queued request leaves with no tokens on both."""
+    prompt = _prompts(6)[0]
+    greedy = dict(temperature=0.0)
+
+    async def main() -> dict[str, tuple[int, GenerationResult, GenerationResult]]:
+        engine = CpuBatchedEngine(model, eos_token_ids=set(), virtual_step_s=STEP_S)
+        reference = await engine.generate("ref", prompt, SamplingParams(max_tokens=12, **greedy))
+        eos = _first_new_token_at(reference.token_ids, 3)
+        before_eos = reference.token_ids.index(eos)
+        out = {}
+        for semantics in ("vllm", "sglang"):
+            engine = CpuBatchedEngine(
+                model, eos_token_ids={eos}, max_num_seqs=1, semantics=semantics, virtual_step_s=STEP_S
+            )
+            running = asyncio.create_task(engine.generate("r", prompt, SamplingParams(max_tokens=12, **greedy)))
+            queued = asyncio.create_task(engine.generate("q", prompt, SamplingParams(max_tokens=12, **greedy)))
+            await engine.wait_until(lambda e=engine: e.tokens_so_far("r") == before_eos)  # EOS is the next token
+            engine.abort_all()
+            out[semantics] = (before_eos, await running, await queued)
+            await engine.close()
+        return out
+
+    out = _virtual(main)
+    seen, vllm_running, vllm_queued = out["vllm"]
+    _, sglang_running, sglang_queued = out["sglang"]
+    assert (vllm_running.stop_reason, len(vllm_running.token_ids)) == ("aborted", seen)
+    assert (sglang_running.stop_reason, len(sglang_running.token_ids)) == ("aborted", seen + 1)
+    assert sglang_running.token_ids[-1] != vllm_running.token_ids[-1]  # the extra token is the EOS, said "abort"
+    assert len(sglang_running.log_probs) == seen + 1
+    assert vllm_queued.token_ids == sglang_queued.token_ids == []
+
+
+def test_sglang_max_tokens_zero_answers_no_tokens_with_length(model: Qwen2ForCausalLM) -> None:
+    """SGLang's max_new_tokens=0: the prefill's token is cut by finished_len = 0, the finish is "length"."""
+
+    async def main() -> GenerationResult:
+        engine = CpuBatchedEngine(model, eos_token_ids=set(), semantics="sglang", virtual_step_s=STEP_S)
+        result = await engine.generate("z", _prompts(4)[0], SamplingParams(max_tokens=0))
+        await engine.close()
+        return result
+
+    result = _virtual(main)
+    assert (result.token_ids, result.log_probs, result.stop_reason) == ([], [], "length")
+
+
+def test_unknown_semantics_is_refused_by_name(model: Qwen2ForCausalLM) -> None:
+    with pytest.raises(ValueError, match="semantics must be one of"):
+        CpuBatchedEngine(model, eos_token_ids=set(), semantics="trtllm")  # type: ignore[arg-type]
