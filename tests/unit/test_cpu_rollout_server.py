@@ -1,7 +1,9 @@
-"""The verl-facing CPU rollout server: TokenOutputs with exact log-probs, abort, weight updates, bad input.
+"""The verl-facing CPU rollout server: TokenOutputs with exact log-probs, abort, weight updates, bad input, and the
+control semantics of verl 0.9.1's vLLMHttpServer on vLLM 0.24 (gate, admission barrier, take-back, max_model_len).
 
 The server class is exercised in-process (``CpuRolloutServer`` is a plain class that the replica wraps
-with ``ray.remote``), built from verl's own ``RolloutConfig`` and ``HFModelConfig`` on the demo model.
+with ``ray.remote``), built from verl's own ``RolloutConfig`` and ``HFModelConfig`` on the demo model. Tests about
+timing run on the virtual clock with engine steps of ``STEP_S``; none depends on wall-clock time.
 """
 
 from __future__ import annotations
@@ -19,7 +21,10 @@ from verl_partial.core.finish import Finish, from_vllm
 from verl_partial.core.partial_config import PartialConfig
 from verl_partial.core.pool import RolloutPool, SegmentResult
 from verl_partial.core.scheduler import run_step
-from verl_partial.cpu_backend.rollout import CpuRolloutServer, FaultInjection, to_engine_params
+from verl_partial.cpu_backend.rollout import GATE_BARRIER_TIMEOUT_S, CpuRolloutServer, FaultInjection, to_engine_params
+from verl_partial.sim.clock import run_virtual
+
+STEP_S = 0.01
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +32,30 @@ def reference(demo_assets):
     return AutoModelForCausalLM.from_pretrained(demo_assets.model_dir, dtype=torch.float32).eval()
 
 
-def make_server(demo_assets, max_num_seqs: int = 8, replica_rank: int = 0) -> CpuRolloutServer:
-    config = RolloutConfig(name="cpu", prompt_length=32, response_length=64, max_num_seqs=max_num_seqs)
+def make_server(
+    demo_assets,
+    max_num_seqs: int = 8,
+    replica_rank: int = 0,
+    max_model_len: int | None = None,
+    virtual_step_s: float | None = None,
+) -> CpuRolloutServer:
+    config = RolloutConfig(
+        name="cpu", prompt_length=32, response_length=64, max_num_seqs=max_num_seqs, max_model_len=max_model_len
+    )
     model_config = HFModelConfig(path=str(demo_assets.model_dir))
-    return CpuRolloutServer(config=config, model_config=model_config, replica_rank=replica_rank)
+    return CpuRolloutServer(
+        config=config, model_config=model_config, replica_rank=replica_rank, virtual_step_s=virtual_step_s
+    )
+
+
+def virtual_server(demo_assets, **kwargs) -> CpuRolloutServer:
+    return make_server(demo_assets, virtual_step_s=STEP_S, **kwargs)
+
+
+def call(server, request_id: str, params: dict, prompt_ids: list[int]):
+    return asyncio.ensure_future(
+        server.generate(prompt_ids=prompt_ids, sampling_params=dict(params), request_id=request_id)
+    )
 
 
 def prompt(demo_assets, count: int) -> list[int]:
@@ -71,12 +96,11 @@ def test_generate_returns_the_models_own_log_probs(demo_assets, reference):
 
 def test_abort_returns_the_tokens_generated_so_far(demo_assets, reference):
     async def main():
-        server = make_server(demo_assets)
+        server = virtual_server(demo_assets)
         prompt_ids = prompt(demo_assets, 5)
         params = {"temperature": 1.0, "max_tokens": 60, "ignore_eos": True}
-        task = asyncio.ensure_future(server.generate(prompt_ids=prompt_ids, sampling_params=params, request_id="a"))
-        while server.engine.stats.generated_tokens < 5:
-            await asyncio.sleep(0.001)
+        task = call(server, "a", params, prompt_ids)
+        await server.engine.wait_until(lambda: server.engine.stats.generated_tokens >= 5)
         result = await server.abort_all_requests()
         output = await task
         assert result["aborted_count"] == 1
@@ -85,13 +109,13 @@ def test_abort_returns_the_tokens_generated_so_far(demo_assets, reference):
         expected = recompute(reference, prompt_ids, output.token_ids)
         assert torch.allclose(torch.tensor(output.log_probs), expected, atol=1e-4)
         # Paused after an abort, like vLLM: a new request waits for resume_generation.
-        late = asyncio.ensure_future(server.generate(prompt_ids=prompt_ids, sampling_params=params, request_id="b"))
-        await asyncio.sleep(0.05)
+        late = call(server, "b", params, prompt_ids)
+        await asyncio.sleep(100 * STEP_S)
         assert not late.done()
         await server.resume_generation()
         assert len((await late).token_ids) == 60
 
-    asyncio.run(main())
+    run_virtual(main())
 
 
 def test_weight_update_changes_what_is_generated(demo_assets, reference):
@@ -132,13 +156,6 @@ def test_fault_injection_spec_is_parsed_and_validated():
 LONG = {"temperature": 1.0, "max_tokens": 60, "ignore_eos": True}
 
 
-async def _until(predicate, timeout: float = 30.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not predicate():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.002)
-
-
 def test_stop_reason_is_vllms_completed_for_eos_and_length(demo_assets):
     """verl's vLLM server says "completed" for both; the vLLM mapper tells them apart by the last token."""
 
@@ -170,115 +187,163 @@ def test_rejecting_gate_refuses_late_arrivals_at_once(demo_assets):
     log_probs None, without reaching the engine -- verl's _park_until_admitted. Resume clears the rejection."""
 
     async def main():
-        server = make_server(demo_assets)
+        server = virtual_server(demo_assets)
         await server.abort_all_requests(reject_request=True)
-        prefilled = server.engine.stats.prefill_tokens
-        late = await asyncio.wait_for(
-            server.generate(prompt_ids=prompt(demo_assets, 3), sampling_params=dict(LONG), request_id="late"), 1.0
-        )
+        loop = asyncio.get_running_loop()
+        arrived = loop.time()
+        late = await call(server, "late", LONG, prompt(demo_assets, 3))
+        assert loop.time() == arrived  # refused at the gate, no engine step
         assert (late.token_ids, late.log_probs, late.stop_reason) == ([], None, "aborted")
-        assert server.engine.stats.prefill_tokens == prefilled
+        assert server.engine.stats.prefill_tokens == 0
         await server.resume_generation()
-        again = await server.generate(prompt_ids=prompt(demo_assets, 3), sampling_params=dict(LONG), request_id="x")
+        again = await call(server, "x", LONG, prompt(demo_assets, 3))
         assert len(again.token_ids) == 60 and again.stop_reason == "completed"
 
-    asyncio.run(main())
+    run_virtual(main())
 
 
-def test_a_request_aborted_while_queued_returns_no_tokens(demo_assets):
+def test_a_queued_request_holds_the_admission_barrier_while_the_engine_keeps_generating(demo_assets):
+    """vLLMHttpServer.abort_all_requests waits while _admitting > 0, and _admitting falls only at a request's first
+    output: a request queued behind max_num_seqs holds the barrier; the running one keeps decoding meanwhile.
+    Taking the queued one back (it ends with no output) releases the barrier; then the abort ends the rest."""
+
     async def main():
-        server = make_server(demo_assets, max_num_seqs=1)
-        running = asyncio.ensure_future(
-            server.generate(prompt_ids=prompt(demo_assets, 5), sampling_params=dict(LONG), request_id="running")
-        )
-        queued = asyncio.ensure_future(
-            server.generate(prompt_ids=prompt(demo_assets, 6), sampling_params=dict(LONG), request_id="queued")
-        )
-        await _until(lambda: server.engine.stats.generated_tokens >= 3)
-        assert server.engine.num_waiting == 1
-        result = await server.abort_all_requests()
+        server = virtual_server(demo_assets, max_num_seqs=1)
+        running = call(server, "running", LONG, prompt(demo_assets, 5))
+        queued = call(server, "queued", LONG, prompt(demo_assets, 6))
+        await server.engine.wait_until(lambda: server.engine.tokens_so_far("running") >= 3)
+        assert server.engine.num_waiting == 1 and not queued.done()
+        abort = asyncio.ensure_future(server.abort_all_requests(reject_request=True))
+        held_at = server.engine.tokens_so_far("running")
+        await server.engine.wait_until(lambda: server.engine.tokens_so_far("running") >= held_at + 10)
+        assert not abort.done()  # the barrier holds and the engine keeps generating
+        assert await server.take_back_requests(["queued", "parked-or-unknown"]) == ["queued"]
+        assert (await queued).token_ids == []
+        result = await abort
+        assert result["request_ids"] == ["running"]
+        first = await running
+        assert first.stop_reason == "aborted" and held_at + 10 <= len(first.token_ids) < 60
+
+    run_virtual(main())
+
+
+def test_the_admission_barrier_gives_up_after_60_s(demo_assets):
+    async def main():
+        server = virtual_server(demo_assets, max_num_seqs=1)
+        running = call(server, "running", dict(LONG, max_tokens=64), prompt(demo_assets, 5))
+        queued = call(server, "queued", LONG, prompt(demo_assets, 6))
+        await server.engine.wait_until(lambda: server.engine.tokens_so_far("running") >= 3)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        # The running request finishes meanwhile and the queued one starts: its first output releases the barrier.
+        await server.abort_all_requests()
+        assert loop.time() - started < GATE_BARRIER_TIMEOUT_S
+        assert (await running).stop_reason == "completed" and (await queued).stop_reason == "aborted"
+
+        long = virtual_server(demo_assets, max_num_seqs=1)
+        running = call(long, "running", dict(LONG, max_tokens=64), prompt(demo_assets, 5))
+        queued = call(long, "queued", LONG, prompt(demo_assets, 6))
+        long.engine.virtual_step_s = 2.0  # 64 tokens take longer than the barrier waits
+        await long.engine.wait_until(lambda: long.engine.tokens_so_far("running") >= 1)
+        started = loop.time()
+        result = await long.abort_all_requests()
+        assert GATE_BARRIER_TIMEOUT_S <= loop.time() - started < GATE_BARRIER_TIMEOUT_S + 1
         assert sorted(result["request_ids"]) == ["queued", "running"]
-        first, second = await running, await queued
-        assert first.stop_reason == second.stop_reason == "aborted"
-        assert 0 < len(first.token_ids) < 60 and len(first.log_probs) == len(first.token_ids)
-        assert second.token_ids == []
+        assert (await queued).token_ids == [] and (await running).stop_reason == "aborted"
 
-    asyncio.run(main())
+    run_virtual(main())
 
 
-def test_abort_request_ends_one_request_and_a_parked_one_is_freed_by_cancelling_its_call(demo_assets):
+def test_take_back_returns_tokens_and_verls_abort_request_finds_nothing_on_vllm_0_24(demo_assets):
+    """take_back_requests: a running request ends "aborted" with its tokens, others untouched; a request parked at
+    the gate is not in the engine and is untouched (its call must be cancelled). verl's own abort_request answers
+    "not found" for every id on vLLM 0.24 (internal request ids), so the double does too."""
+
     async def main():
-        server = make_server(demo_assets)
-        a = asyncio.ensure_future(
-            server.generate(prompt_ids=prompt(demo_assets, 5), sampling_params=dict(LONG), request_id="a")
-        )
-        b = asyncio.ensure_future(
-            server.generate(prompt_ids=prompt(demo_assets, 7), sampling_params=dict(LONG), request_id="b")
-        )
-        await _until(lambda: server.engine.stats.generated_tokens >= 6)
-        assert (await server.abort_request("a"))["aborted"]
-        assert not (await server.abort_request("unknown"))["aborted"]
+        server = virtual_server(demo_assets)
+        a, b = call(server, "a", LONG, prompt(demo_assets, 5)), call(server, "b", LONG, prompt(demo_assets, 7))
+        await server.engine.wait_until(lambda: server.engine.tokens_so_far("a") >= 4)
+        assert (await server.abort_request("a")) == {"aborted": False, "error": "Request a not found"}
+        assert await server.take_back_requests(["a", "unknown"]) == ["a"]
         out_a = await a
-        assert out_a.stop_reason == "aborted" and 0 < len(out_a.token_ids) < 60
-        assert len((await b).token_ids) == 60  # the other request was untouched
+        assert out_a.stop_reason == "aborted" and 4 <= len(out_a.token_ids) < 60
+        assert len((await b).token_ids) == 60  # untouched
 
         await server.abort_all_requests()  # parking gate
-        parked = asyncio.ensure_future(
-            server.generate(prompt_ids=prompt(demo_assets, 9), sampling_params=dict(LONG), request_id="parked")
-        )
-        await asyncio.sleep(0.05)
+        parked = call(server, "parked", LONG, prompt(demo_assets, 9))
+        await asyncio.sleep(100 * STEP_S)
         assert not parked.done()
-        assert not (await server.abort_request("parked"))["aborted"]  # like vLLM: the engine does not know it
+        assert await server.take_back_requests(["parked"]) == []
         parked.cancel()
         await asyncio.gather(parked, return_exceptions=True)
         before = server.engine.stats.generated_tokens
         await server.resume_generation()
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(100 * STEP_S)
         assert server.engine.stats.generated_tokens == before  # the cancelled call never reached the engine
 
-    asyncio.run(main())
+    run_virtual(main())
 
 
-def test_a_cancelled_generate_call_stops_generating(demo_assets):
+def test_a_cancelled_generate_call_returns_nothing_and_stops_generating(demo_assets):
     async def main():
-        server = make_server(demo_assets)
-        call = asyncio.ensure_future(
-            server.generate(prompt_ids=prompt(demo_assets, 5), sampling_params=dict(LONG), request_id="c")
-        )
-        await _until(lambda: server.engine.stats.generated_tokens >= 3)
-        call.cancel()
-        await asyncio.gather(call, return_exceptions=True)
-        await _until(lambda: server.engine.num_running == 0)
+        server = virtual_server(demo_assets)
+        task = call(server, "c", LONG, prompt(demo_assets, 5))
+        await server.engine.wait_until(lambda: server.engine.tokens_so_far("c") >= 3)
+        task.cancel()
+        outcome = (await asyncio.gather(task, return_exceptions=True))[0]
+        assert isinstance(outcome, asyncio.CancelledError)  # nothing comes back to a cancelled call
         stopped_at = server.engine.stats.generated_tokens
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(100 * STEP_S)
         assert server.engine.stats.generated_tokens == stopped_at < 60
-        assert server.engine.request_ids == []
+        assert server.engine.request_ids == [] and server._admitting == 0
 
-    asyncio.run(main())
+    run_virtual(main())
+
+
+def test_max_model_len_null_is_the_models_and_max_tokens_is_clamped_to_the_context(demo_assets):
+    """vLLMHttpServer._validate_configs: max_model_len null -> max_position_embeddings (1024 for the demo model);
+    generate clamps max_tokens to max_model_len - prompt, and the truncated answer says "completed"."""
+    assert make_server(demo_assets).max_model_len == 1024
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        make_server(demo_assets, max_model_len=4096)
+
+    async def main():
+        prompt_ids = prompt(demo_assets, 5)
+        server = virtual_server(demo_assets, max_model_len=len(prompt_ids) + 4)
+        out = await call(server, "t", LONG, prompt_ids)
+        assert (len(out.token_ids), out.stop_reason) == (4, "completed")
+        with pytest.raises(ValueError, match="no room"):
+            await call(server, "full", LONG, prompt_ids + [1, 2, 3, 4])
+
+    run_virtual(main())
 
 
 class CpuServersBackend:
     """The scheduler's backend protocol over in-process CPU servers, with a client->server transit delay per call
-    (what a Ray call spends on its way) so calls can be in transit when the step ends."""
+    (what a Ray call spends on its way) so calls can be in transit when the step ends. Take-back goes to the
+    server by request id; cancel drops the call, which then returns nothing, as on a real engine."""
 
     def __init__(self, servers: list[CpuRolloutServer], transit) -> None:
         self.by_name = {f"cpu://replica-{i}": server for i, server in enumerate(servers)}
         self.transit = transit
         self.tasks: dict[str, asyncio.Task] = {}
         self.eos_ids = servers[0].engine.eos_token_ids
+        self.group_of: dict[str, str] = {}
+        self.cancelled: list[str] = []  # group keys of the calls dropped
 
     @property
     def servers(self) -> list[str]:
         return list(self.by_name)
 
     def launch(self, wave):
+        self.group_of.update({request.request_id: group.key for group, request in wave})
         return [asyncio.ensure_future(self._call(group, request)) for group, request in wave]
 
     async def _call(self, group, request) -> SegmentResult:
         self.tasks[request.request_id] = asyncio.current_task()
-        await asyncio.sleep(self.transit(group.key))
         prefix = group.samples[request.ref.index].token_ids.tolist()
         try:
+            await asyncio.sleep(self.transit(group.key))
             output = await self.by_name[request.server].generate(
                 prompt_ids=list(group.prompt) + prefix,
                 sampling_params={"temperature": 1.0, "max_tokens": request.max_new_tokens},
@@ -295,48 +360,51 @@ class CpuServersBackend:
             prompt_ids=np.asarray(group.prompt, np.int32),
         )
 
+    async def take_back(self, requests) -> None:
+        for request in requests:
+            await self.by_name[request.server].take_back_requests([request.request_id])
+
     async def cancel(self, requests) -> None:
         for request in requests:
-            found = await self.by_name[request.server].abort_request(request.request_id)
-            if not found["aborted"]:  # in transit or parked at the gate: cancel the call itself
-                self.tasks[request.request_id].cancel()
+            self.cancelled.append(self.group_of[request.request_id])
+            self.tasks[request.request_id].cancel()
 
     async def abort_all(self) -> None:
-        await asyncio.gather(*[server.abort_all_requests() for server in self.by_name.values()])
+        await asyncio.gather(*[server.abort_all_requests(reject_request=True) for server in self.by_name.values()])
 
     async def resume(self) -> None:
         await asyncio.gather(*[server.resume_generation() for server in self.by_name.values()])
 
 
-def test_step_end_with_calls_in_transit_at_the_abort_does_not_stall(demo_assets):
-    """The scheduler on real CPU engines with vLLM's parking gate: the second group's calls are still on their
-    way when the first group finishes and the step ends, so they reach closed gates and park. The step-end
-    protocol cancels them after abort_grace_s; the old one (resume only after every call returned) waited
-    request_timeout_s for them, and once the gates reopened they generated for a step that was over."""
-    import time
-
-    config = PartialConfig(extra_groups=1, staleness_policy="keep", request_timeout_s=30.0, abort_grace_s=0.5)
-    servers = [make_server(demo_assets, replica_rank=i) for i in range(2)]
-    backend = CpuServersBackend(servers, transit=lambda key: 0.0 if key == "p0" else 1.5)
-    pool = RolloutPool(config, group_size=2, batch_groups=1, response_length=32)
-    source = iter([(prompt(demo_assets, count), f"p{i}") for i, count in enumerate((3, 30, 40))])
+def test_step_end_with_calls_queued_and_in_transit_takes_them_back_without_cancelling(demo_assets):
+    """The scheduler on CPU engines with vLLM's gate and admission barrier, on the virtual clock: calls queue behind
+    max_num_seqs=2 (holding the barrier) and the second group's calls are still in transit when the step ends. The
+    step end takes the queued ones back (the barrier falls, control_timeouts 0); the calls still in transit after
+    abort_grace_s are dropped, having reached no server (nothing lost). The step ends within a few abort_grace_s and
+    nothing runs after it."""
+    config = PartialConfig(extra_groups=2, staleness_policy="keep", request_timeout_s=30.0, abort_grace_s=0.5)
+    servers = [virtual_server(demo_assets, replica_rank=i, max_num_seqs=2) for i in range(2)]
+    backend = CpuServersBackend(servers, transit=lambda key: 0.0 if key != "p1" else 1.5)
+    pool = RolloutPool(config, group_size=4, batch_groups=1, response_length=32)
+    source = iter([(prompt(demo_assets, count), f"p{i}") for i, count in enumerate((3, 30, 40, 50))])
 
     class Source:
         def next_prompt(self):
             return next(source, None)
 
     async def main():
-        started = time.monotonic()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
         result = await run_step(pool, backend, Source(), step=1, version=0)
-        elapsed = time.monotonic() - started
-        assert [group.key for group in result.trained] == ["p0"]
+        assert len(result.trained) == 1
         assert result.metrics["partial/step_end_s"] < 4 * config.abort_grace_s
-        assert elapsed < config.request_timeout_s / 3
+        assert loop.time() - started < config.request_timeout_s / 3
         assert result.metrics["partial/failed_calls"] == 0
-        assert all(not s.engine.request_ids for s in servers)
+        assert result.metrics["partial/taken_back_calls"] > 0 and result.metrics["partial/control_timeouts"] == 0
+        assert backend.cancelled == ["p1"] * 4  # only the calls in transit, which no server had seen
+        assert all(s.engine.is_idle and s._admitting == 0 for s in servers)
         generated = sum(s.engine.stats.generated_tokens for s in servers)
         await asyncio.sleep(2.0)  # gates are open again: nothing from the ended step may run now
         assert sum(s.engine.stats.generated_tokens for s in servers) == generated
-        assert sum(task.cancelled() or task.done() for task in backend.tasks.values()) == len(backend.tasks)
 
-    asyncio.run(main())
+    run_virtual(main())
