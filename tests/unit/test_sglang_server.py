@@ -272,3 +272,17 @@ def test_cpu_sglang_backend_makes_sglang_resolve_to_the_double(monkeypatch):
     verl_patches.install_sglang_support()
     assert RolloutReplicaRegistry.get("sglang") is CpuSglangReplica
     assert rollout_base._ROLLOUT_REGISTRY[("sglang", "async")] == verl_patches.CPU_SERVER_ADAPTER
+
+
+def test_ray_sees_the_reject_request_parameter_of_the_fixed_abort_all():
+    """Ray binds remote-call arguments against inspect.signature: the fixed method must accept reject_request there,
+    or ``server.abort_all_requests.remote(reject_request=True)`` fails before reaching the server."""
+    from ray._common.signature import extract_signature, flatten_args
+
+    flatten_args(
+        extract_signature(FixedCpuSglangServer.abort_all_requests, ignore_first=True), [], {"reject_request": True}
+    )
+    with pytest.raises(TypeError):
+        flatten_args(
+            extract_signature(CpuSglangServer.abort_all_requests, ignore_first=True), [], {"reject_request": True}
+        )

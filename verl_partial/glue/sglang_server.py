@@ -62,6 +62,10 @@ def apply_sglang_server_fix(server_cls: type) -> type:
             setattr(self, _REJECTING, True)  # before SGLang's pause can park anyone
         return await original_abort_all(self, *args, **kwargs)
 
+    # Ray binds call arguments against inspect.signature, which would follow __wrapped__ to verl's
+    # ``abort_all_requests(self)`` and refuse ``reject_request``: the wrapper's own signature must be seen.
+    del abort_all_requests.__wrapped__
+
     @functools.wraps(original_resume)
     async def resume_generation(self, *args, **kwargs):
         result = await original_resume(self, *args, **kwargs)
