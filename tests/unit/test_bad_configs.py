@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from driver_entry import model_override, run_driver
 
-from verl_partial.glue.partial_rollout import STATE_FILE
+from verl_partial.core.partial_config import STATE_FILE
 
 P = "+partial=default"
 RC = "+rollout_correction"
@@ -32,6 +32,11 @@ BAD_CONFIGS: list[tuple[tuple[str, ...], str]] = [
     ((P, "partial.enable=maybe"), "partial.enable"),
     ((P, "partial.abort_on_done=sometimes"), "partial.abort_on_done"),
     ((P, "partial.ledger_path=3"), "partial.ledger_path"),
+    ((P, "partial.schedule=shortest_first"), "partial.schedule"),
+    ((P, "partial.refill=sometimes"), "partial.refill"),
+    ((P, "partial.extra_groups=4"), "partial.extra_groups"),  # wait + refill carry no extra groups
+    (("+partial=restart", "partial.max_staleness=-1"), "partial.max_staleness"),
+    (("+partial=restart", "partial.staleness_policy=later"), "partial.staleness_policy"),
     ((P, "trainer.use_v1=true"), "trainer.use_v1"),
     (("+partial=kimi", "trainer.use_v1=true"), "trainer.use_v1"),
     ((P, "algorithm.adv_estimator=remax"), "algorithm.adv_estimator"),
@@ -138,10 +143,16 @@ BAD_CONFIGS: list[tuple[tuple[str, ...], str]] = [
     ((f"{RC}=token_is", "rollout_correction.loss_type=reinforce"), "rollout_correction.loss_type"),
     ((f"{RC}=ppo_is_bypass", "rollout_correction.is_level=token"), "rollout_correction.is_level"),
     ((f"{RC}=token_is", "rollout_correction.bypass_mode=yes"), "rollout_correction.bypass_mode"),
-    ((f"{RC}=token_is", "rollout_correction.max_token_staleness=-1"), "rollout_correction.max_token_staleness"),
-    ((f"{RC}=token_is", "rollout_correction.max_token_staleness=1.5"), "rollout_correction.max_token_staleness"),
-    ((f"{RC}=token_is", "rollout_correction.max_token_staleness=2"), "rollout_correction.max_token_staleness"),
-    ((f"{RC}=disabled", "rollout_correction.max_token_staleness=0"), "rollout_correction.max_token_staleness"),
+    ((f"{RC}=token_is", "rollout_correction.max_staleness=-1"), "rollout_correction.max_staleness"),
+    ((f"{RC}=token_is", "rollout_correction.max_staleness=1.5"), "rollout_correction.max_staleness"),
+    ((f"{RC}=token_is", "rollout_correction.max_staleness=2"), "rollout_correction.max_staleness"),  # no +partial
+    ((f"{RC}=disabled", "rollout_correction.max_staleness=0"), "rollout_correction.max_staleness"),
+    # the deprecated name still reaches the same checks (with a FutureWarning naming both keys)
+    ((f"{RC}=token_is", "rollout_correction.max_token_staleness=-1"), "rollout_correction.max_staleness"),
+    (
+        (f"{RC}=token_is", "rollout_correction.max_token_staleness=1", "rollout_correction.max_staleness=2"),
+        "rollout_correction.max_token_staleness",
+    ),
     ((f"{RC}=token_is", "rollout_correction.log_by_lag=yes"), "rollout_correction.log_by_lag"),
     ((f"{RC}=token_is", "+rollout_correction.rollout_is=token"), "rollout_correction.rollout_is"),
     ((f"{RC}=nonexistent",), "rollout_correction"),

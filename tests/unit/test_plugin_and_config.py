@@ -216,3 +216,17 @@ def test_two_import_hooks_on_one_module_both_run_without_recursion(tmp_path, mon
     finally:
         sys.modules.pop("vp_hooked_module", None)
     assert sorted(fired) == ["first:1", "second:1"]
+
+
+def test_reading_our_config_loads_no_glue_verl_or_torch():
+    """The driver validates (and finds the partial-rollout state file) before anything heavy is imported."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, verl_partial.config; "
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('verl', 'torch', 'ray') "
+        "or m.startswith('verl_partial.glue')); print(heavy)"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

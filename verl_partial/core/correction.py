@@ -3,9 +3,12 @@
 verl 0.9 configures rollout correction with seven loosely typed keys (threshold *strings* such as
 ``"0.5_2.0"``, comma-chained rejection modes) and 19 preset classmethods; the preset names users know
 from verl PR #3984 (``token_is``, ``seq_is_rs``, ``geo_rs``...) no longer exist there. This module is
-the typed front end: one frozen dataclass, mirrored key for key by ``hydra_configs/rollout_correction``,
-every preset under both the old and the current names, and validation that fails before Ray starts
-on the combinations verl would silently ignore or override.
+the typed front end: one frozen dataclass whose field docstrings document the ``rollout_correction.*`` keys
+(docs/configuration.md is generated from them), every preset under both the old and the current names, defined
+once here (``hydra_configs/rollout_correction/<name>.yaml`` starts from ``disabled.yaml`` and restates only the
+keys that differ; tests/unit/test_correction_config.py composes each and compares it field by field), and
+validation (:mod:`verl_partial.core.config_checks`) that fails before Ray starts on the combinations verl would
+silently ignore or override.
 
 Conventions (see docs/rollout-correction.md):
 
