@@ -324,12 +324,12 @@ def test_abort_returns_partial_tokens_at_once(model: Qwen2ForCausalLM) -> None:
         other = asyncio.create_task(engine.generate("other", short_prompt, SamplingParams(max_tokens=600)))
         await engine.wait_until(lambda: engine.stats.generated_tokens >= 20)
         steps = engine.stats.decode_steps
-        assert engine.abort("long")
-        assert not engine.abort("unknown-id")
+        assert await engine.abort("long")
+        assert not await engine.abort("unknown-id")
         aborted = await task
         assert engine.stats.decode_steps == steps and not other.done()
         await engine.wait_until(lambda: engine.num_running == 1)  # the aborted request left the batch
-        engine.abort("other")
+        await engine.abort("other")
         other_result = await other
         await engine.close()
         return aborted, other_result
@@ -351,7 +351,7 @@ def test_abort_all_covers_waiting_requests_and_engine_stays_usable(model: Qwen2F
         await engine.wait_until(lambda: engine.stats.generated_tokens >= 3)
         assert (engine.num_running, engine.num_waiting) == (1, 2)
         assert not any(task.done() for task in tasks[1:])  # queued requests produce nothing
-        count = engine.abort_all()
+        count = await engine.abort_all()
         results = await asyncio.gather(*tasks)
         assert engine.num_waiting == 0
         after = await engine.generate("after", prompts[0], SamplingParams(max_tokens=5))
@@ -551,7 +551,7 @@ def test_sglang_abort_decodes_one_more_token_and_reports_abort_even_for_eos(mode
             running = asyncio.create_task(engine.generate("r", prompt, SamplingParams(max_tokens=12, **greedy)))
             queued = asyncio.create_task(engine.generate("q", prompt, SamplingParams(max_tokens=12, **greedy)))
             await engine.wait_until(lambda e=engine: e.tokens_so_far("r") == before_eos)  # EOS is the next token
-            engine.abort_all()
+            await engine.abort_all()
             out[semantics] = (before_eos, await running, await queued)
             await engine.close()
         return out

@@ -297,25 +297,30 @@ class CpuBatchedEngine:
         self._wake()
         return request
 
-    def abort(self, request_id: str) -> bool:
+    async def abort(self, request_id: str) -> bool:
         """Abort a waiting or running request; its ``generate`` returns the tokens so far as ``"aborted"``.
 
         vLLM semantics: at once. SGLang semantics: a running request after one more token (module docstring).
         Returns whether the request was in flight; unknown or already finished ids are ignored (the request may have
         finished meanwhile).
         """
-        request = self._requests.get(request_id)
-        if request is None:
-            return False
-        self._abort(request)
-        return True
+        return self.abort_nowait(request_id)
 
-    def abort_all(self) -> int:
+    async def abort_all(self) -> int:
         """Abort every waiting and running request (as :meth:`abort`); return how many were aborted."""
         requests = list(self._requests.values())
         for request in requests:
             self._abort(request)
         return len(requests)
+
+    def abort_nowait(self, request_id: str) -> bool:
+        """:meth:`abort` for callers that cannot await (SGLang's ``TokenizerManager.abort_request`` is a
+        fire-and-forget message to its scheduler)."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return False
+        self._abort(request)
+        return True
 
     def _abort(self, request: EngineRequest) -> None:
         if self.semantics == "sglang" and request in self._slots:
@@ -354,7 +359,7 @@ class CpuBatchedEngine:
 
     async def close(self) -> None:
         """Abort everything, stop the scheduler task and the worker thread; the engine is unusable afterwards."""
-        self.abort_all()
+        await self.abort_all()
         if self._task is not None:
             self._task.cancel()
             try:

@@ -269,7 +269,7 @@ class CpuRolloutServer(_CpuServerBase):
                 self._admitting -= 1
             result = await request.future
         except asyncio.CancelledError:
-            self.engine.abort(request_id)
+            await self.engine.abort(request_id)
             raise
         return TokenOutput(
             token_ids=result.token_ids,
@@ -319,7 +319,7 @@ class CpuRolloutServer(_CpuServerBase):
             await asyncio.sleep(0.01)
         request_ids = self.engine.request_ids
         self.engine.pause()
-        self.engine.abort_all()
+        await self.engine.abort_all()
         return {"aborted_count": len(request_ids), "request_ids": request_ids}
 
     async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict:
@@ -334,7 +334,7 @@ class CpuRolloutServer(_CpuServerBase):
         by the caller's ids. Each request the engine holds ends "aborted" through its ``generate`` call (running:
         every token so far; queued: none); any other id (parked at the gate, in transit, done) is untouched.
         Returns the ids the engine held."""
-        return [request_id for request_id in request_ids if self.engine.abort(request_id)]
+        return [request_id for request_id in request_ids if await self.engine.abort(request_id)]
 
     async def resume_generation(self) -> None:
         """``vLLMHttpServer.resume_generation``: resume the engine, then open the gate."""
@@ -448,10 +448,10 @@ class SglangTokenizerManager:
             return
         for request_id in self.engine.request_ids:
             if abort_all or request_id.startswith(rid):
-                self.engine.abort(request_id)
+                self.engine.abort_nowait(request_id)
 
-    async def pause_generation(self, mode: str = "abort") -> None:
-        """``TokenizerManager.pause_generation`` with verl's ``mode="abort"``."""
+    async def pause_generation(self) -> None:
+        """``TokenizerManager.pause_generation`` with ``mode="abort"``, the only mode verl uses."""
         async with self.is_pause_cond:
             self.is_pause = True
             while True:
@@ -537,7 +537,7 @@ class CpuSglangServer(_CpuServerBase):
 
     async def abort_all_requests(self) -> None:
         """``SGLangHttpServer.abort_all_requests``: ``pause_generation(mode="abort")``."""
-        await self.tokenizer_manager.pause_generation(mode="abort")
+        await self.tokenizer_manager.pause_generation()
 
     async def resume_generation(self) -> None:
         """``SGLangHttpServer.resume_generation``: ``continue_generation``."""
