@@ -230,3 +230,27 @@ def test_reading_our_config_loads_no_glue_verl_or_torch():
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_simulator_modes_are_the_presets_under_their_names():
+    """``verl-partial simulate`` projects exactly what ``+partial=<name>`` runs (stall detection aside)."""
+    from verl_partial.sim.run import RENAMED_MODES, mode_configs
+
+    modes = mode_configs(batch=16)
+    for name, preset in partial_module.PRESETS.items():
+        assert modes[name] == dataclasses.replace(preset, request_timeout_s=modes[name].request_timeout_s)
+    # sync is restart without extra groups: a step waits for its slowest sample, nothing is parked or carried.
+    assert modes["sync"] == dataclasses.replace(modes["restart"], extra_groups=0)
+    assert set(RENAMED_MODES.values()) <= set(modes) and not set(RENAMED_MODES) & set(modes)
+
+
+def test_old_simulator_mode_names_still_work_and_warn():
+    from verl_partial.sim.cli import _current_mode_name
+
+    with pytest.warns(FutureWarning, match=r"--modes stream is deprecated: it is the \+partial=default preset"):
+        assert _current_mode_name("stream") == "default"
+    with pytest.warns(FutureWarning, match="use --modes restart"):
+        assert _current_mode_name("partial") == "restart"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert _current_mode_name("on_policy") == "on_policy"
