@@ -8,6 +8,8 @@ or a bad value is reported with its full key name -- in the driver, before Ray s
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import os
 from collections.abc import Mapping
 from typing import Any, TypeVar
@@ -78,6 +80,20 @@ def balance_config(config: DictConfig) -> BalanceConfig | None:
 PARTIAL_AGENT_LOOPS = ("single_turn_agent", "tool_agent")
 
 
+def model_max_positions(model_path: str | None) -> int | None:
+    """The model's ``max_position_embeddings`` from its local ``config.json``: what vLLM and SGLang use as the
+    context when ``actor_rollout_ref.rollout.max_model_len`` is null (verl's default). None when the path is not a
+    local folder (a hub id resolved later by the workers) or the config does not say."""
+    if not model_path:
+        return None
+    config_file = os.path.join(os.path.expanduser(str(model_path)), "config.json")
+    if not os.path.isfile(config_file):
+        return None
+    with open(config_file) as handle:
+        value = json.load(handle).get("max_position_embeddings")
+    return int(value) if value is not None else None
+
+
 def check_partial_against_trainer(config: DictConfig) -> None:
     """Combinations partial rollout cannot honour fail here, naming the verl key to change."""
     rollout = config.actor_rollout_ref.rollout
@@ -100,7 +116,11 @@ def check_partial_against_trainer(config: DictConfig) -> None:
         )
     checks: list[tuple[Any, tuple[Any, ...]]] = [
         (
-            check_model_len,
+            functools.partial(
+                check_model_len,
+                max_position_embeddings=model_max_positions(config.actor_rollout_ref.model.get("path")),
+                rollout_name=str(rollout.get("name") or "vllm"),
+            ),
             (rollout.get("max_model_len"), config.data.max_prompt_length, config.data.max_response_length),
         )
     ]

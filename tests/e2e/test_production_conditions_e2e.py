@@ -105,9 +105,11 @@ def test_queued_steps_train_exactly_what_was_generated(queued_run, tmp_path):
 
 
 # One group of two samples, one server: when a call outlives request_timeout_s no other answer arrives meanwhile,
-# which is exactly what a 32k answer on a large model looks like to the scheduler.
+# which is exactly what a 32k answer on a large model looks like to the scheduler. ``rollout.ignore_eos`` makes every
+# answer run its whole response length (288 demo tokens: seconds on either engine), so its first tokens come well
+# within the timeout and its call outlives it many times over.
 LONG_STEPS = 3
-LONG_TIMEOUT_S = 0.3
+LONG_TIMEOUT_S = 0.5
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -124,6 +126,10 @@ def test_a_call_longer_than_request_timeout_trains_with_nothing_regenerated(back
             "data.train_batch_size=1",
             "actor_rollout_ref.rollout.n=2",
             "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+            "actor_rollout_ref.rollout.ignore_eos=true",
             f"partial.request_timeout_s={LONG_TIMEOUT_S}",
             f"partial.ledger_path={tmp_path / 'ledger.jsonl'}",
             f"partial.dump_dir={tmp_path / 'dump'}",

@@ -251,6 +251,8 @@ class CpuRolloutServer(_CpuServerBase):
         max_tokens = sampling_params.pop(
             "max_tokens", sampling_params.pop("max_new_tokens", self._default_max_tokens(len(prompt_ids)))
         )
+        # vllm_async_server.py: ``sampling_params.setdefault("ignore_eos", self.config.get("ignore_eos", False))``.
+        sampling_params.setdefault("ignore_eos", self.config.ignore_eos)
         params = to_engine_params(sampling_params, default_max_tokens=max(1, min(max_tokens, max_possible_tokens)))
         rejected = await self._park_until_admitted(request_id)
         if rejected is not None:
