@@ -308,6 +308,10 @@ def _wrap_driver_entry() -> None:
                 _select_cpu_platform_in_driver()
             if config.get("rollout_correction") is not None:
                 _export_to_ray_processes(config, ALL_REJECTED_GUARD_ENV, "1")
+        if config is not None and _ray_processes_platform(config) == CPU_ROLLOUT_NAME:
+            # +backend=cpu_vllm_v1 (verl's v1 trainer) carries no backend block, only VERL_PLATFORM=cpu for its
+            # Ray processes: the driver follows them, else verl's auto_set_device sets trainer.device=cuda.
+            _select_cpu_platform_in_driver()
         return original(config)
 
     auto_set_device._verl_partial = True  # type: ignore[attr-defined]
@@ -323,6 +327,14 @@ def _export_to_ray_processes(config: Any, name: str, value: str) -> None:
         runtime_env = ray_init.setdefault("runtime_env", {})
         env_vars = runtime_env.get("env_vars") or {}
         runtime_env["env_vars"] = {**env_vars, name: value}
+
+
+def _ray_processes_platform(config: Any) -> str:
+    """The VERL_PLATFORM the config gives every Ray process of the job ("" when it gives none)."""
+    from omegaconf import OmegaConf
+
+    value = OmegaConf.select(config, f"ray_kwargs.ray_init.runtime_env.env_vars.{CPU_PLATFORM_ENV}", default="")
+    return str(value or "").strip().lower()
 
 
 def uses_our_config(config: Any) -> bool:
