@@ -5,6 +5,11 @@ server actor that answers token-in/token-out ``generate`` calls (plus abort/resu
 ``BaseRollout`` adapter living in each FSDP worker that pushes new weights to its server. This module
 implements the same three over :class:`~verl_partial.cpu_backend.engine.CpuBatchedEngine`, so verl's
 own AgentLoopManager, load balancer and weight-sync path run unchanged.
+
+Two server doubles, each copying a real server's control semantics so the scheduler is tested against what
+production engines do: :class:`CpuRolloutServer` (``+backend=cpu``) is verl's ``vLLMHttpServer`` on vLLM 0.24;
+:class:`FixedCpuSglangServer` (``+backend=cpu_sglang``, ``rollout.name=sglang``) is verl's ``SGLangHttpServer`` on
+SGLang 0.5.12 with verl-partial's server fix, and :class:`CpuSglangServer` the same without the fix.
 """
 
 from __future__ import annotations
