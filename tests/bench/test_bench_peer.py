@@ -1,0 +1,85 @@
+"""benchmarks/bench_peer.py's own logic: per-trained-token figures, the table, and the command each mode runs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+
+@pytest.fixture
+def peer(bench_module: Callable[[str], ModuleType]) -> ModuleType:
+    return bench_module("bench_peer")
+
+
+def _run(mode: str, gen_s: float, step_s: float, mean_length: float, round_: int = 0, **extra: float) -> dict:
+    """A run record as run_mode stores it: step 1 (warm-up) is slow and must not count."""
+    warmup = {"timing_s/gen": 100.0, "timing_s/step": 200.0, "response_length/mean": 1.0}
+    measured = {"timing_s/gen": gen_s, "timing_s/step": step_s, "response_length/mean": mean_length,
+                "critic/score/mean": 0.5, **extra}  # fmt: skip
+    return {"mode": mode, "returncode": 0, "peak_rss_bytes": 3 * 2**30, "round": round_,
+            "steps": {"1": warmup, "2": measured, "3": measured}}  # fmt: skip
+
+
+def test_figures_are_per_trained_token_of_measured_steps(peer: ModuleType) -> None:
+    wl = peer.Workload(steps=3)  # 16 prompts x n=4: 64 trained answers per step
+    got = peer.figures(_run("v0_sync", gen_s=2.0, step_s=4.0, mean_length=50.0), wl)
+    assert got.tokens_trained == 64 * 50.0
+    assert got.gen_ms_per_token == pytest.approx(1e3 * 2.0 / 3200)
+    assert got.step_ms_per_token == pytest.approx(1e3 * 4.0 / 3200)
+    assert got.tokens_per_s == pytest.approx(800.0)
+    assert got.peak_rss_gib == pytest.approx(3.0)
+
+
+def test_shorter_answers_do_not_pass_for_speed(peer: ModuleType) -> None:
+    """A mode that trains shorter answers in a shorter step is no faster per trained token."""
+    wl = peer.Workload(steps=3)
+    long_ = peer.figures(_run("v0_sync", 2.0, 4.0, 60.0), wl)
+    short = peer.figures(_run("default", 1.0, 2.0, 30.0), wl)
+    assert short.step_s < long_.step_s
+    assert short.step_ms_per_token == pytest.approx(long_.step_ms_per_token)
+
+
+def test_staleness_read_per_side(peer: ModuleType) -> None:
+    wl = peer.Workload(steps=3)
+    ours = peer.figures(_run("default", 1, 2, 40, **{"partial/staleness/max": 1, "partial/staleness/mean": 0.2,
+                                                      "partial/tokens_discarded": 0}), wl)  # fmt: skip
+    off = "training/off_policy"
+    v1 = peer.figures(_run("v1_async_defaults", 1, 2, 40, **{
+        f"{off}/trajectory_staleness_worst/max": 3, f"{off}/trajectory_staleness_worst/mean": 1.5,
+        f"{off}/trajectory_spans/max": 2, f"{off}/evicted_samples": 2}), wl)  # fmt: skip
+    assert (ours.staleness_max, ours.spans_max, ours.discarded) == (1, 2, "0 tokens")
+    assert (v1.staleness_max, v1.staleness_mean, v1.spans_max, v1.discarded) == (3, 1.5, 2, "2.00 groups")
+
+
+def test_table_pairs_rounds_and_keeps_failures(peer: ModuleType) -> None:
+    wl = peer.Workload(steps=3)
+    failed = {**_run("v1_sync", 1, 1, 1), "returncode": 1}
+    results = {"workload": peer.dataclasses.asdict(wl), "runs": [
+        _run("v0_sync", 2.0, 4.0, 50.0, 0), _run("default", 1.0, 2.0, 50.0, 0),
+        _run("v0_sync", 2.0, 6.0, 50.0, 1), _run("default", 1.0, 2.0, 50.0, 1), failed]}  # fmt: skip
+    rows = {line.split(" | ")[0].lstrip("| "): line for line in peer.table(results).splitlines()[2:]}
+    assert "2.50 (2.00-3.00)x" in rows["ours `+partial=default`"]  # round 0: 4/2, round 1: 6/2
+    assert "failed" in rows["v1 sync"]
+
+
+def test_v1_modes_run_the_v1_trainer_with_session_indexed_lengths(peer: ModuleType, tmp_path: Path) -> None:
+    paths = {"model": tmp_path / "model", "train": tmp_path / "t.parquet", "val": tmp_path / "v.parquet"}
+    bound = "trainer.v1.sampler.max_off_policy_threshold=2"
+    for name, backend, loop, bounded in (
+        ("v1_async_bound_fastpoll", "+backend=cpu_vllm_v1", "bench_peer.SessionImposedLengthAgentLoop", True),
+        ("v0_sync", "+backend=cpu_vllm", "bench_vllm_trainer.ImposedLengthAgentLoop", False),
+    ):
+        run_dir = tmp_path / name
+        run_dir.mkdir()
+        command = peer.command_for(peer.MODES[name], paths, peer.Workload(), run_dir)
+        assert backend in command and not any(part.startswith("+partial") for part in command)
+        assert loop in (run_dir / "agent_loops.yaml").read_text()
+        assert (bound in command) is bounded
+
+
+def test_partial_presets_are_refused_on_v1(peer: ModuleType) -> None:
+    with pytest.raises(ValueError, match="legacy trainer"):
+        peer.PeerMode("bad", "bad", "v1", partial="default")
