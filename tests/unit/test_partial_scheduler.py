@@ -42,6 +42,11 @@ from verl_partial.core.scheduler import OutOfPrompts, run_step
 
 TRAIN_S = 30.0  # virtual seconds of "training" between steps: gates are open, nothing may generate
 WATCHDOG_S = 30.0  # real seconds without an event-loop iteration: the driver spins (a busy loop)
+STALL_S = 1e4  # virtual seconds: a step this long waits on something that never comes (timers re-armed forever)
+
+
+class StepStalled(AssertionError):
+    """A step did not end within ``STALL_S`` virtual seconds."""
 
 
 class ListSource:
@@ -106,7 +111,11 @@ def simulate(
                 pool.events = ledger
                 source.position = state[1]
             engine.version = step - 1
-            result = await run_step(pool, engine, source, step=step, version=step - 1, server_version=step - 1)
+            stepping = run_step(pool, engine, source, step=step, version=step - 1, server_version=step - 1)
+            try:
+                result = await asyncio.wait_for(stepping, STALL_S)
+            except asyncio.TimeoutError:
+                raise StepStalled(f"step {step} did not end within {STALL_S:.0f} virtual seconds") from None
             assert pool.ready_groups() == [
                 g for g in sorted(pool.groups.values(), key=lambda g: g.group_id) if g.finished
             ]

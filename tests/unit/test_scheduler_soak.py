@@ -30,7 +30,7 @@ from dataclasses import dataclass, fields
 
 import pytest
 from sim_engine import SimEngine, SimServer
-from test_partial_scheduler import check_groups, simulate
+from test_partial_scheduler import StepStalled, check_groups, simulate
 
 from verl_partial.core.partial_config import PartialConfig
 from verl_partial.core.scheduler import OutOfPrompts
@@ -138,10 +138,11 @@ class SoakFigures:
     steps: int = 0
     lost: int = 0  # drawn prompts neither trained, taken out (counted) nor in the pool
     duplicated: int = 0  # groups trained more than once
-    stalls: int = 0  # step ends over 5 x abort_grace_s (when aborting)
+    stalls: int = 0  # step ends over 5 x abort_grace_s (when aborting), steps over STALL_S virtual seconds
     busy_loops: int = 0  # the virtual clock's watchdog fired
     out_of_prompts: int = 0
     max_step_end_s: float = 0.0
+    max_step_s: float = 0.0
     failed_groups: int = 0
     stalled_calls: int = 0
     taken_back_calls: int = 0
@@ -185,6 +186,9 @@ def run_schedule(s: Schedule, figures: SoakFigures) -> None:
     except BusyLoop:
         figures.busy_loops += 1
         return
+    except StepStalled:
+        figures.stalls += 1
+        return
     check_groups(run.trained, s.config, s.n, s.batch, s.response_length, s.seed)  # exact tokens and versions
     keys = [key for step in run.trained_per_step for key in step]
     figures.duplicated += len(keys) - len(set(keys))
@@ -197,6 +201,7 @@ def run_schedule(s: Schedule, figures: SoakFigures) -> None:
         figures.stalls += sum(end > 5 * s.config.abort_grace_s + 1e-6 for end in ends)
         figures.max_step_end_s = max(figures.max_step_end_s, *ends)
     figures.steps += len(run.metrics)
+    figures.max_step_s = max(figures.max_step_s, *run.seconds)
     figures.restores += len(s.restore_at)
     figures.failed_groups += run.pool.totals.failed_groups
     for name in (
