@@ -6,12 +6,16 @@ shown on the double as verl ships it (``CpuSglangServer``: the bug) and with ver
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+from types import ModuleType, SimpleNamespace
 
 import pytest
 from verl.workers.config import HFModelConfig, RolloutConfig
 from verl.workers.rollout import base as rollout_base
-from verl.workers.rollout.replica import RolloutReplicaRegistry
+from verl.workers.rollout.replica import RolloutMode, RolloutReplicaRegistry
 
 from verl_partial import verl_patches
 from verl_partial.cpu_backend.rollout import (
@@ -290,3 +294,106 @@ def test_ray_sees_the_reject_request_parameter_of_the_fixed_abort_all():
         flatten_args(
             extract_signature(CpuSglangServer.abort_all_requests, ignore_first=True), [], {"reject_request": True}
         )
+
+
+# ------------------------------------------------------------------ verl's own SGLangHttpServer over the double
+VERL_SGLANG_SERVER = "verl.workers.rollout.sglang_rollout.async_sglang_server"
+
+
+class _StubModule(ModuleType):
+    """A stand-in for one SGLang module: any name it is asked for is a placeholder class (SGLang's CUDA-only wheel
+    cannot be installed here); the io_struct request types build what the double's TokenizerManager reads."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        placeholder = type(name, (), {})
+        setattr(self, name, placeholder)
+        return placeholder
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Serves every ``sglang.*`` module as a :class:`_StubModule` package."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname == "sglang" or fullname.startswith("sglang."):
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+        return None
+
+    def create_module(self, spec):
+        module = _StubModule(spec.name)
+        module.__path__ = []
+        return module
+
+    def exec_module(self, module) -> None:
+        return None
+
+
+@pytest.fixture
+def verl_sglang_server(monkeypatch):
+    """verl 0.9.1's real ``SGLangHttpServer`` class, imported over stub SGLang modules; verl-partial's plugin hook
+    (``verl_patches.install_sglang_support``) applies the fix when the module is imported, as in production."""
+    finder = _StubFinder()
+    monkeypatch.setattr(sys, "meta_path", [finder, *sys.meta_path])
+    before = set(sys.modules)
+    sglang = importlib.import_module("sglang")
+    sglang.__version__ = "0.5.12"
+    io_struct = importlib.import_module("sglang.srt.managers.io_struct")
+    io_struct.GenerateReqInput = dict
+    for request_type in ("PauseGenerationReqInput", "ContinueGenerationReqInput", "ReleaseMemoryOccupationReqInput"):
+        setattr(io_struct, request_type, SimpleNamespace)
+    verl_patches.install_sglang_support()
+    module = importlib.import_module(VERL_SGLANG_SERVER)
+    yield module.SGLangHttpServer
+    for name in set(sys.modules) - before:
+        del sys.modules[name]
+
+
+def verl_server(server_cls, demo_assets):
+    """A ``SGLangHttpServer`` without its launch (no SGLang process): the attributes its request and control methods
+    read, with the double's TokenizerManager over the engine with SGLang semantics."""
+    double = make(demo_assets)
+    server = object.__new__(server_cls)
+    server.config, server.model_config = double.config, double.model_config
+    server.config.max_model_len = double.max_model_len  # SGLangHttpServer.__init__ resolves a null one
+    server.replica_rank, server.node_rank, server.global_steps = 0, 0, None
+    server._disaggregation_role, server._pd_decode_peers = "null", []
+    server.rollout_mode = RolloutMode.HYBRID
+    server.tokenizer_manager = double.tokenizer_manager
+    return server, double.engine
+
+
+def test_verls_sglang_server_runs_over_the_double_with_the_fix(verl_sglang_server, demo_assets):
+    """The plugin's after-import hook fixed verl's class; its generate, abort_all_requests, resume_generation and
+    sleep then show what the double shows: "stop"/"length"/"abort", one more token at an abort, the rejecting gate,
+    take-back by id, cancel stopping decoding, and the idle assert at sleep."""
+    assert getattr(verl_sglang_server, "_verl_partial_sglang_fix", False)
+
+    async def main():
+        server, engine = verl_server(verl_sglang_server, demo_assets)
+        stop = await server.generate(countdown(demo_assets), {"max_tokens": 64, "logprobs": True}, "stop/")
+        length = await server.generate(PROMPT, dict(LONG, max_tokens=3), "length/")
+        assert (stop.stop_reason, length.stop_reason, len(length.token_ids)) == ("stop", "length", 3)
+        running = asyncio.ensure_future(server.generate(PROMPT, dict(LONG), "run/"))
+        await engine.wait_until(lambda: engine.tokens_so_far("run/") >= 4)
+        with pytest.raises(AssertionError, match="idle"):
+            await server.sleep()
+        seen = engine.tokens_so_far("run/")
+        await server.abort_all_requests(reject_request=True)
+        aborted = await running
+        assert (aborted.stop_reason, len(aborted.token_ids), len(aborted.log_probs)) == ("abort", seen + 1, seen + 1)
+        late = await server.generate(PROMPT, dict(LONG), "late/")
+        assert (late.token_ids, late.log_probs, late.stop_reason) == ([], None, "abort")
+        await server.resume_generation()
+
+        taken = asyncio.ensure_future(server.generate(PROMPT, dict(LONG), "take/"))
+        cancelled = asyncio.ensure_future(server.generate(PROMPT, dict(LONG), "cancel/"))
+        await engine.wait_until(lambda: engine.tokens_so_far("take/") >= 2 and engine.tokens_so_far("cancel/") >= 2)
+        assert await server.take_back_requests(["take/", "gone/"]) == ["take/"]
+        assert (await taken).stop_reason == "abort"
+        cancelled.cancel()
+        await asyncio.gather(cancelled, return_exceptions=True)
+        await engine.wait_until(lambda: engine.is_idle)
+        await server.sleep()  # idle: the cancelled request was aborted, not left decoding
+
+    run_virtual(main())

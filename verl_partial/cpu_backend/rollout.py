@@ -19,7 +19,8 @@ import dataclasses
 import logging
 import os
 import random
-from collections.abc import AsyncIterator, Generator
+from collections.abc import AsyncIterator, Generator, Mapping
+from types import SimpleNamespace
 from typing import Any
 
 import ray
@@ -367,6 +368,8 @@ _SGLANG_FINISH_TYPE: dict[str, str] = {"completed": "stop", "length": "length", 
 # TokenizerManager.pause_generation(mode="abort") re-sends the abort every second until no request holds the
 # model-update reader lock.
 SGLANG_PAUSE_POLL_S = 1.0
+# sglang/srt/sampling/sampling_params.py: SamplingParams(max_new_tokens=128) when a request names none.
+SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
 
 
 @dataclasses.dataclass
@@ -382,7 +385,9 @@ class SglangTokenizerStats:
 
 class SglangTokenizerManager:
     """SGLang 0.5.12 ``TokenizerManager`` (``sglang/srt/managers/tokenizer_manager.py``) as verl's
-    ``SGLangHttpServer`` uses it, with the engine (SGLang semantics) standing in for the scheduler process.
+    ``SGLangHttpServer`` uses it, with the engine (SGLang semantics) standing in for the scheduler process. The
+    methods take SGLang's call shapes (a request's fields as a mapping, ``obj.mode`` of the pause, ``(obj, request)``
+    of the memory calls), so verl's own ``SGLangHttpServer`` methods can run over it unchanged.
 
     * ``generate_request`` registers the request state *before* the pause gate (``_init_req_state``), then parks
       at ``is_pause_cond`` while paused, then holds the model-update reader lock while the scheduler runs it. It has
@@ -407,9 +412,13 @@ class SglangTokenizerManager:
         self._in_flight = 0  # holders of model_update_lock.reader_lock
         self._cancelled_parked: set[str] = set()
 
-    async def generate_request(self, obj: dict[str, Any], request: Any = None) -> AsyncIterator[dict[str, Any]]:
-        """``TokenizerManager.generate_request`` + ``_wait_one_response`` for one non-streaming request."""
+    async def generate_request(self, obj: Mapping[str, Any], request: Any = None) -> AsyncIterator[dict[str, Any]]:
+        """``TokenizerManager.generate_request`` + ``_wait_one_response`` for one non-streaming text request
+        (``obj``: ``GenerateReqInput``'s fields)."""
+        if obj.get("image_data") or obj.get("video_data"):
+            raise ValueError("the CPU rollout backend is text-only")
         rid = obj["rid"]
+        params = to_engine_params(dict(obj["sampling_params"]), default_max_tokens=SGLANG_DEFAULT_MAX_NEW_TOKENS)
         if rid in self.rid_to_state:  # _init_req_state
             raise ValueError(f"Duplicate request ID detected: {rid}")
         self.rid_to_state[rid] = None
@@ -421,15 +430,14 @@ class SglangTokenizerManager:
             raise
         self._in_flight += 1
         try:
-            params = obj["sampling_params"]
-            handle = self.engine.submit(rid, list(obj["input_ids"]), params)
+            handle = self.engine.submit(rid, [int(token) for token in obj["input_ids"]], params)
             self.rid_to_state[rid] = handle
             # _handle_batch_output / _handle_abort_req delete the state when the scheduler reports the finish.
             handle.future.add_done_callback(lambda _: self._forget(rid, handle))
             result = await asyncio.shield(handle.future)
         finally:
             self._in_flight -= 1
-        yield self._output(rid, result, params.max_tokens, obj.get("return_logprob", False))
+        yield self._output(rid, result, params.max_tokens, bool(obj.get("return_logprob", False)))
 
     def _forget(self, rid: str, handle: EngineRequest) -> None:
         if self.rid_to_state.get(rid) is handle:
@@ -457,8 +465,10 @@ class SglangTokenizerManager:
             if abort_all or request_id.startswith(rid):
                 self.engine.abort_nowait(request_id)
 
-    async def pause_generation(self) -> None:
-        """``TokenizerManager.pause_generation`` with ``mode="abort"``, the only mode verl uses."""
+    async def pause_generation(self, obj: Any) -> None:
+        """``TokenizerManager.pause_generation`` with ``obj.mode == "abort"``, the only mode verl uses."""
+        if obj.mode != "abort":
+            raise NotImplementedError(f"the SGLang double implements pause mode 'abort' only, got {obj.mode!r}")
         async with self.is_pause_cond:
             self.is_pause = True
             while True:
@@ -467,13 +477,13 @@ class SglangTokenizerManager:
                     break
                 await asyncio.sleep(SGLANG_PAUSE_POLL_S)
 
-    async def continue_generation(self) -> None:
+    async def continue_generation(self, obj: Any) -> None:
         """``TokenizerManager.continue_generation``."""
         async with self.is_pause_cond:
             self.is_pause = False
             self.is_pause_cond.notify_all()
 
-    async def release_memory_occupation(self) -> None:
+    async def release_memory_occupation(self, obj: Any, request: Any = None) -> None:
         """``Scheduler.release_memory_occupation``: ``assert self.is_fully_idle()``."""
         assert self.engine.is_idle, "release_memory_occupation should be called only when server is idle."
 
@@ -485,7 +495,7 @@ class SglangTokenizerManager:
 class CpuSglangServer(_CpuServerBase):
     """The counterpart of verl 0.9.1's ``SGLangHttpServer`` (``sglang_rollout/async_sglang_server.py``) over
     :class:`SglangTokenizerManager`, exactly as verl ships it: ``abort_all_requests()`` takes no
-    ``reject_request``, there is no ``abort_request``, and a cancelled ``generate`` sends no abort.
+    ``reject_request``, there is no per-request abort, and a cancelled ``generate`` sends no abort.
     :func:`~verl_partial.glue.sglang_server.apply_sglang_server_fix` adds those, to this class as to verl's."""
 
     def __init__(
@@ -522,9 +532,14 @@ class CpuSglangServer(_CpuServerBase):
         max_new_tokens = sampling_params.pop(
             "max_new_tokens", sampling_params.pop("max_tokens", self._default_max_tokens(len(prompt_ids)))
         )
-        return_logprob = bool(sampling_params.pop("logprobs", False))
-        params = to_engine_params(sampling_params, default_max_tokens=max(0, min(max_new_tokens, max_possible_tokens)))
-        obj = {"rid": request_id, "input_ids": prompt_ids, "sampling_params": params, "return_logprob": return_logprob}
+        sampling_params["max_new_tokens"] = max(0, min(max_new_tokens, max_possible_tokens))
+        return_logprob = sampling_params.pop("logprobs", False)
+        obj = {
+            "rid": request_id,
+            "input_ids": prompt_ids,
+            "sampling_params": sampling_params,
+            "return_logprob": return_logprob,
+        }
         output = await self.tokenizer_manager.generate_request(obj, None).__anext__()
         meta_info = output["meta_info"]
         token_ids = list(output["output_ids"])
@@ -544,16 +559,16 @@ class CpuSglangServer(_CpuServerBase):
 
     async def abort_all_requests(self) -> None:
         """``SGLangHttpServer.abort_all_requests``: ``pause_generation(mode="abort")``."""
-        await self.tokenizer_manager.pause_generation()
+        await self.tokenizer_manager.pause_generation(SimpleNamespace(mode="abort"))
 
     async def resume_generation(self) -> None:
         """``SGLangHttpServer.resume_generation``: ``continue_generation``."""
-        await self.tokenizer_manager.continue_generation()
+        await self.tokenizer_manager.continue_generation(SimpleNamespace())
 
     async def sleep(self) -> None:
         """``SGLangHttpServer.sleep`` (hybrid): ``release_memory_occupation``, which asserts an idle scheduler."""
         if self.config.free_cache_engine:
-            await self.tokenizer_manager.release_memory_occupation()
+            await self.tokenizer_manager.release_memory_occupation(SimpleNamespace(tags=["kv_cache", "weights"]), None)
 
     def tokenizer_stats(self) -> dict[str, Any]:
         return dataclasses.asdict(self.tokenizer_manager.stats())
