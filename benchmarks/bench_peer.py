@@ -361,20 +361,22 @@ def table(results: dict[str, Any]) -> str:
             by_mode.setdefault(run["mode"], []).append(got)
     lines = [
         "| mode | rounds | rollout phase ms / trained token | whole step ms / trained token | trained tokens/s | "
-        "vs v0 sync | vs v1 colocate_async (bound) | staleness max (mean) | v1 spans max | thrown away / step | "
-        "reward | peak summed RSS GiB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "vs v0 sync | vs its own trainer's sync | vs v1 colocate_async (bound) | staleness max (mean) | v1 spans max | "
+        "thrown away / step | reward | peak summed RSS GiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name in [m for m in MODES if m in by_mode or m in failed]:
         runs = by_mode.get(name, [])
         note = f" ({failed[name]} failed)" if name in failed else ""
         if not runs:
-            lines.append(f"| {MODES[name].label} | 0{note} | failed | | | | | | | | | |")
+            lines.append(f"| {MODES[name].label} | 0{note} | failed | | | | | | | | | | |")
             continue
         lines.append(
             f"| {MODES[name].label} | {len(runs)}{note} | {spread([r.gen_ms_per_token for r in runs])} | "
             f"{spread([r.step_ms_per_token for r in runs])} | {spread([r.tokens_per_s for r in runs], 0)} | "
-            f"{speedup(by_mode.get('v0_sync', []), runs)} | {speedup(by_mode.get('v1_async_bound', []), runs)} | "
+            f"{speedup(by_mode.get('v0_sync', []), runs)} | "
+            f"{speedup(by_mode.get(MODES[name].trainer + '_sync', []), runs)} | "
+            f"{speedup(by_mode.get('v1_async_bound', []), runs)} | "
             f"{max(r.staleness_max for r in runs):.0f} ({statistics.fmean(r.staleness_mean for r in runs):.2f}) | "
             f"{max(r.spans_max for r in runs):.0f} | {runs[-1].discarded} | "
             f"{statistics.fmean(r.reward for r in runs):.3f} | {spread([r.peak_rss_gib for r in runs], 1)} |"
@@ -393,7 +395,8 @@ def header(results: dict[str, Any]) -> str:
     m, wl = results["machine"], results["workload"]
     return (
         f"Measured {m['date']} on {m['cpu']}, {m['cores']} cores shared with other jobs (each trainer run alone under "
-        f"the shared lock), Python {m['python']}, {m['packages']}, {results.get('transfer_queue', '')}. "
+        f"the shared lock), Python {m['python']}, {m['packages']}, {results.get('transfer_queue', '')}; "
+        f"verl-partial {results.get('checkout', '?')}. "
         f"Command: `{results['command']}`. Model: random Qwen2, {results['parameters'] / 1e6:.1f} M parameters, "
         f"fp32; {wl['prompts']} prompts x n = {wl['n']} per step, {wl['slots']} engine slots; lengths lognormal "
         f"(median {wl['lengths']['median']:g}, sigma {wl['lengths']['sigma']:g}, cap {wl['lengths']['cap']}), imposed. "
@@ -413,6 +416,14 @@ def write_block(path: Path, text: str) -> None:
     path.write_text(re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _: block, old, flags=re.S))
 
 
+def checkout() -> str:
+    """The commit measured, and the product files that differed from it (the install is editable)."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "verl_partial", "hydra_configs"], cwd=REPO,
+                           capture_output=True, text=True).stdout.split()[1::2]  # fmt: skip
+    return head.stdout.strip() + (f" with uncommitted changes to {', '.join(dirty)}" if dirty else "")
+
+
 def measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     """``rounds`` rounds, each running every mode once in the given order; the JSON is rewritten after each run."""
     from importlib.metadata import version
@@ -424,6 +435,7 @@ def measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         "command": ("python -m benchmarks.bench_peer " + " ".join(argv if argv is not None else sys.argv[1:])).strip(),
         "machine": machine(),
         "transfer_queue": f"TransferQueue {version('TransferQueue')}",
+        "checkout": checkout(),
         "workload": dataclasses.asdict(wl),
         "parameters": int((paths["model"].parent / "done").read_text()),
         "rounds": args.rounds,
