@@ -408,3 +408,28 @@ def test_step_end_with_calls_queued_and_in_transit_takes_them_back_without_cance
         assert sum(s.engine.stats.generated_tokens for s in servers) == generated
 
     run_virtual(main())
+
+
+def test_a_resume_that_overtakes_the_abort_barrier_leaves_the_engine_paused(demo_assets):
+    """verl's race (issue 19): resume_generation lands while abort_all_requests waits at its barrier; the abort then
+    pauses the engine after the resume, and the gate stays open on a paused engine until the next resume. The
+    scheduler must send resume only after abort_all_requests returned; the double reproduces what happens if not."""
+
+    async def main():
+        server = virtual_server(demo_assets, max_num_seqs=1)
+        running = call(server, "running", LONG, prompt(demo_assets, 5))
+        queued = call(server, "queued", LONG, prompt(demo_assets, 6))
+        await server.engine.wait_until(lambda: server.engine.tokens_so_far("running") >= 2)
+        abort = asyncio.ensure_future(server.abort_all_requests(reject_request=True))
+        await asyncio.sleep(10 * STEP_S)
+        await server.resume_generation()  # overtakes the abort still waiting for "queued"
+        await server.take_back_requests(["queued"])
+        await abort
+        await asyncio.gather(running, queued)
+        late = call(server, "late", LONG, prompt(demo_assets, 7))
+        await asyncio.sleep(100 * STEP_S)
+        assert not late.done() and server.engine.num_waiting == 1  # admitted by the open gate, never scheduled
+        await server.resume_generation()
+        assert len((await late).token_ids) == 60
+
+    run_virtual(main())
