@@ -239,7 +239,7 @@ def test_simulate_command_prints_one_row_per_mode(capsys):
             "--warmup",
             "0",
             "--modes",
-            "sync,partial,on_policy",
+            "sync,restart,on_policy",
             "--response-length",
             "1024",
             "--prompts",
@@ -248,7 +248,7 @@ def test_simulate_command_prints_one_row_per_mode(capsys):
     )
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ")]
-    assert [row.split(" | ")[0] for row in rows] == ["| mode", "| sync", "| partial", "| on_policy"]
+    assert [row.split(" | ")[0] for row in rows] == ["| mode", "| sync", "| restart", "| on_policy"]
     assert rows[0].split(" | ")[-1] == "ceiling at its staleness |"
     # No schedule beats its own floor: sync's ceiling over itself is at least 1.
     assert float(rows[1].split(" | ")[-1].rstrip(" |x")) >= 1.0
