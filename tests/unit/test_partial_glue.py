@@ -18,26 +18,50 @@ from verl_partial.glue.engines import engine_adapter
 from verl_partial.glue.partial_rollout import _chunk_bounds
 
 
-class RecordingReplica:
-    """Records the control calls the adapter makes (the replica is not what is under test)."""
+class _RemoteMethod:
+    """A Ray actor method as the adapter uses it (``.remote(...)`` returns an awaitable), recording each call."""
+
+    def __init__(self, calls: list[tuple[str, tuple, dict]], name: str) -> None:
+        self.calls, self.name = calls, name
+
+    def remote(self, *args, **kwargs):
+        self.calls.append((self.name, args, kwargs))
+        return asyncio.sleep(0)
+
+
+class RecordingServer:
+    """Records the control calls the adapter sends to one server actor (the server is not what is under test)."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[str, object]] = []
+        self.calls: list[tuple[str, tuple, dict]] = []
 
-    async def abort_all_requests(self, reject_request: bool = False) -> None:
-        self.calls.append(("abort", reject_request))
-
-    async def resume_generation(self) -> None:
-        self.calls.append(("resume", None))
+    def __getattr__(self, name: str) -> _RemoteMethod:
+        return _RemoteMethod(self.__dict__["calls"], name)
 
 
-@pytest.mark.parametrize(("engine", "rejects"), [("vllm", True), ("cpu", True), ("sglang", False)])
-def test_each_engine_closes_its_gate_the_way_its_server_can(engine, rejects):
+class Replica:
+    def __init__(self, servers: int) -> None:
+        self.servers = [RecordingServer() for _ in range(servers)]
+
+
+@pytest.mark.parametrize(("engine", "controlled"), [("vllm", 2), ("cpu", 2), ("sglang", 1)])
+def test_each_engine_closes_its_gates_rejecting_late_arrivals(engine, controlled):
+    """Every engine's gate refuses late arrivals at the step end (SGLang's through verl_partial.glue.sglang_server);
+    SGLang takes control calls on a replica's first server only (verl's SGLangReplica), vLLM and ours on each."""
     adapter = engine_adapter(engine)
-    replicas = [RecordingReplica(), RecordingReplica()]
+    replicas = [Replica(2), Replica(2)]
     asyncio.run(adapter.abort_all(replicas))
     asyncio.run(adapter.resume(replicas))
-    assert all(r.calls == [("abort", rejects), ("resume", None)] for r in replicas)
+    expected = [("abort_all_requests", (), {"reject_request": True}), ("resume_generation", (), {})]
+    for replica in replicas:
+        assert [server.calls for server in replica.servers] == [expected] * controlled + [[]] * (2 - controlled)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "cpu", "sglang"])
+def test_taking_back_is_one_call_per_server_by_request_id(engine):
+    server = RecordingServer()
+    asyncio.run(engine_adapter(engine).take_back(server, ["g/0/1#", "g/1/0#"]))
+    assert server.calls == [("take_back_requests", (["g/0/1#", "g/1/0#"],), {})]
 
 
 def test_each_engine_maps_its_own_stop_reasons():
