@@ -57,6 +57,9 @@ from benchmarks.bench_vllm_trainer import (
 LOCK = "/tmp/heavy.lock"
 RUN_TIMEOUT_S = 1500  # one trainer run, once it holds the lock
 START, END = "<!-- peer-benchmark:start -->", "<!-- peer-benchmark:end -->"
+GOALS_START, GOALS_END = "<!-- peer-goals:start -->", "<!-- peer-goals:end -->"
+# Issue 20's goals for +partial=default, per trained token, on a generation-dominated workload: (against, at least).
+GOALS = (("v0_sync", 1.5), ("v1_async_bound", 1.3))
 AGENT_LOOP = "imposed_length_agent"  # the name bench_vllm_trainer's trainer_overrides registers
 FAST_POLL_S = 0.05
 V1_BOUND = ("trainer.v1.sampler.max_off_policy_threshold=2", "trainer.v1.sampler.max_off_policy_strategy=wait")
@@ -351,22 +354,19 @@ def speedup(base: list[RunFigures], other: list[RunFigures]) -> str:
 def table(results: dict[str, Any]) -> str:
     """The markdown table: one row per mode, mean (range) over rounds of each per-trained-token figure."""
     wl = workload_of(results)
-    by_mode: dict[str, list[RunFigures]] = {}
+    measured = by_mode(results)
     failed: dict[str, int] = {}
     for run in results["runs"]:
-        got = figures(run, wl)
-        if got is None:
+        if figures(run, wl) is None:
             failed[run["mode"]] = failed.get(run["mode"], 0) + 1
-        else:
-            by_mode.setdefault(run["mode"], []).append(got)
     lines = [
         "| mode | rounds | rollout phase ms / trained token | whole step ms / trained token | trained tokens/s | "
         "vs v0 sync | vs its own trainer's sync | vs v1 colocate_async (bound) | staleness max (mean) | v1 spans max | "
         "thrown away / step | reward | peak summed RSS GiB |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for name in [m for m in MODES if m in by_mode or m in failed]:
-        runs = by_mode.get(name, [])
+    for name in [m for m in MODES if m in measured or m in failed]:
+        runs = measured.get(name, [])
         note = f" ({failed[name]} failed)" if name in failed else ""
         if not runs:
             lines.append(f"| {MODES[name].label} | 0{note} | failed | | | | | | | | | | |")
@@ -374,12 +374,51 @@ def table(results: dict[str, Any]) -> str:
         lines.append(
             f"| {MODES[name].label} | {len(runs)}{note} | {spread([r.gen_ms_per_token for r in runs])} | "
             f"{spread([r.step_ms_per_token for r in runs])} | {spread([r.tokens_per_s for r in runs], 0)} | "
-            f"{speedup(by_mode.get('v0_sync', []), runs)} | "
-            f"{speedup(by_mode.get(MODES[name].trainer + '_sync', []), runs)} | "
-            f"{speedup(by_mode.get('v1_async_bound', []), runs)} | "
+            f"{speedup(measured.get('v0_sync', []), runs)} | "
+            f"{speedup(measured.get(MODES[name].trainer + '_sync', []), runs)} | "
+            f"{speedup(measured.get('v1_async_bound', []), runs)} | "
             f"{max(r.staleness_max for r in runs):.0f} ({statistics.fmean(r.staleness_mean for r in runs):.2f}) | "
             f"{max(r.spans_max for r in runs):.0f} | {runs[-1].discarded} | "
             f"{statistics.fmean(r.reward for r in runs):.3f} | {spread([r.peak_rss_gib for r in runs], 1)} |"
+        )
+    return "\n".join(lines)
+
+
+def by_mode(results: dict[str, Any]) -> dict[str, list[RunFigures]]:
+    """Every successful run's figures, by mode, in round order."""
+    wl = workload_of(results)
+    out: dict[str, list[RunFigures]] = {}
+    for run in sorted(results["runs"], key=lambda run: run.get("round", 0)):
+        got = figures(run, wl)
+        if got is not None:
+            out.setdefault(run["mode"], []).append(got)
+    return out
+
+
+def verdict(ratios: list[float], goal: float | None) -> str:
+    """Whether every round, some rounds or no round reached ``goal``."""
+    if goal is None:
+        return ""
+    if min(ratios) >= goal:
+        return " -- goal met in every round"
+    return f" -- goal {goal}x " + ("not met" if max(ratios) < goal else "met in some rounds only")
+
+
+def goals(results: dict[str, Any], ours: str = "default") -> str:
+    """Issue 20's goals for ``ours`` against the measured runs: whole step per trained token, paired by round."""
+    runs = by_mode(results)
+    lines = []
+    for against, goal in (*GOALS, ("v1_async_defaults", None), ("v1_async_bound_fastpoll", None)):
+        label = MODES[against].label
+        if ours not in runs or against not in runs:
+            lines.append(f"- against {label}: not measured (no successful run of both).")
+            continue
+        pairs = [b.step_ms_per_token / o.step_ms_per_token for b, o in zip(runs[against], runs[ours], strict=False)]
+        rollout = [b.gen_ms_per_token / o.gen_ms_per_token for b, o in zip(runs[against], runs[ours], strict=False)]
+        lines.append(
+            f"- {MODES[ours].label} against {label}{'' if goal is None else f' (goal >= {goal}x)'}: whole step per "
+            f"trained token {spread(pairs)}x, rollout phase per trained token {spread(rollout)}x over {len(pairs)} "
+            f"round(s){verdict(pairs, goal)}."
         )
     return "\n".join(lines)
 
@@ -405,15 +444,15 @@ def header(results: dict[str, Any]) -> str:
     )
 
 
-def write_block(path: Path, text: str) -> None:
+def write_block(path: Path, text: str, start: str = START, end: str = END) -> None:
     """Replace the marked block of ``path`` with ``text`` (the document's prose stays as written)."""
     import re
 
-    block = f"{START}\n{text}\n{END}"
+    block = f"{start}\n{text}\n{end}"
     old = path.read_text() if path.exists() else ""
-    if START not in old:
-        raise ValueError(f"{path} has no {START} ... {END} block to fill")
-    path.write_text(re.sub(re.escape(START) + r".*?" + re.escape(END), lambda _: block, old, flags=re.S))
+    if start not in old:
+        raise ValueError(f"{path} has no {start} ... {end} block to fill")
+    path.write_text(re.sub(re.escape(start) + r".*?" + re.escape(end), lambda _: block, old, flags=re.S))
 
 
 def checkout() -> str:
@@ -471,10 +510,11 @@ def main(argv: list[str] | None = None) -> None:
         if unknown:
             raise SystemExit(f"--modes: unknown {unknown}; allowed: {list(MODES)}")
         results = measure(args, argv)
-    text = header(results) + "\n\n" + table(results)
-    print(text)
+    text, verdicts = header(results) + "\n\n" + table(results), goals(results)
+    print(text + "\n\n" + verdicts)
     if args.out:
         write_block(args.out, text)
+        write_block(args.out, verdicts, GOALS_START, GOALS_END)
 
 
 if __name__ == "__main__":

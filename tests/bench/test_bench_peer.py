@@ -83,3 +83,9 @@ def test_v1_modes_run_the_v1_trainer_with_session_indexed_lengths(peer: ModuleTy
 def test_partial_presets_are_refused_on_v1(peer: ModuleType) -> None:
     with pytest.raises(ValueError, match="legacy trainer"):
         peer.PeerMode("bad", "bad", "v1", partial="default")
+
+
+def test_goal_verdicts_use_every_round(peer: ModuleType) -> None:
+    assert peer.verdict([1.6, 1.7], 1.5) == " -- goal met in every round"
+    assert peer.verdict([1.4, 1.7], 1.5) == " -- goal 1.5x met in some rounds only"
+    assert peer.verdict([1.1, 1.2], 1.5) == " -- goal 1.5x not met"
