@@ -27,18 +27,23 @@ import pytest
 import torch
 from harness import BACKENDS, Run, ledger, ledger_accounting, run_trainer
 
+from verl_partial.demo.assets import DemoAssets
+
 pytestmark = pytest.mark.e2e
 
 QUEUE_STEPS, GROUPS, N = 4, 8, 8
 MAX_NUM_SEQS = 4
 ABORT_GRACE_S = 0.5
-# vLLM's CPU backend uses 128-token KV blocks: 4 blocks hold the demo's longest prompt + answer a few times over
-# but not 4 such sequences at once, so the engine also queues (and preempts) for want of KV cache.
+# vLLM's CPU backend uses 128-token KV blocks: 4 blocks hold the demo's longest prompt + answer (320 tokens) once
+# but not 4 running sequences once they pass 128 tokens, so the engine also queues (and preempts) for want of KV.
 KV_BLOCKS = 4
 
 
-def _queue_overrides(output_dir: Path, backend: str) -> list[str]:
+def _queue_overrides(assets: DemoAssets, output_dir: Path, backend: str) -> list[str]:
     overrides = [
+        # vLLM refuses a KV cache that cannot hold one max_model_len sequence; verl's default context is the model's
+        # max_position_embeddings (1,024 here), so the demo's prompt + response bounds it instead.
+        f"actor_rollout_ref.rollout.max_model_len={assets.max_prompt_length + assets.max_response_length}",
         f"data.train_batch_size={GROUPS}",
         f"actor_rollout_ref.rollout.n={N}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={GROUPS}",
@@ -62,7 +67,7 @@ def queued_run(request, demo_assets, tmp_path_factory) -> Run:
         steps=QUEUE_STEPS,
         partial="default",
         backend=request.param,
-        extra=_queue_overrides(output_dir, request.param),
+        extra=_queue_overrides(demo_assets, output_dir, request.param),
     )
     run.assert_ok()
     return run
@@ -130,6 +135,9 @@ def test_a_call_longer_than_request_timeout_trains_with_nothing_regenerated(back
             "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
             "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
             "actor_rollout_ref.rollout.ignore_eos=true",
+            # A warm engine, as in production: validation first, so a cold engine's first prefill (seconds on vLLM's
+            # CPU build) is not mistaken for a stall at this test's tiny timeout.
+            "trainer.val_before_train=true",
             f"partial.request_timeout_s={LONG_TIMEOUT_S}",
             f"partial.ledger_path={tmp_path / 'ledger.jsonl'}",
             f"partial.dump_dir={tmp_path / 'dump'}",

@@ -19,7 +19,7 @@ def _finish(group: GroupState, index: int, length: int) -> None:
 
 
 def _pool(schedule: str = "longest_first", estimator: LengthEstimator | None = None) -> RolloutPool:
-    config = PartialConfig(extra_groups=2, max_staleness=0, schedule=schedule)
+    config = PartialConfig(extra_groups=2, max_staleness=0, staleness_policy="restart", refill=False, schedule=schedule)
     priority = estimator.priority if estimator is not None else None
     return RolloutPool(config, group_size=2, batch_groups=1, response_length=100, priority=priority)
 
