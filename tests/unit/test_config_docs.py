@@ -35,7 +35,7 @@ def test_every_key_our_yamls_define_is_in_its_table(block: str) -> None:
     page = config_docs.render()
     paths = sorted((REPO / "hydra_configs" / block).glob("*.yaml"))
     assert paths
-    keys = {key for path in paths for key in OmegaConf.load(path).get(block, {})}
+    keys = {key for path in paths for key in OmegaConf.load(path).get(block) or {}}  # `block: null` sets none
     assert keys
     renamed = set(RENAMED_KEYS) if block == CORRECTION_BLOCK else set()
     for key in sorted(keys - renamed):
