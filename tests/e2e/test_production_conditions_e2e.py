@@ -77,6 +77,10 @@ def test_requests_queued_in_the_engine_do_not_hold_the_step_end(queued_run):
     """Issue 19, failure 1. Before the fix, every step after the first reported control_timeouts=1, a step end of
     about 2 x abort_grace_s + the barrier, tens of cancelled calls and tokens_discarded 0 for tokens that were lost."""
     run = queued_run
+    figures = ("step_end_s", "server_load/calls_max", "taken_back_calls", "cancelled_calls", "control_timeouts",
+               "resumed_fraction", "tokens_discarded")  # fmt: skip
+    for step in range(1, QUEUE_STEPS + 1):  # the tier's report (-rP) carries the measured figures
+        print(run.backend, step, {name: round(run.metric(step, f"partial/{name}"), 3) for name in figures})
     for step in range(1, QUEUE_STEPS + 1):
         # The condition happened: far more calls were outstanding on the server than the engine runs at once.
         assert run.metric(step, "partial/server_load/calls_max") >= 4 * MAX_NUM_SEQS, step
@@ -146,6 +150,9 @@ def test_a_call_longer_than_request_timeout_trains_with_nothing_regenerated(back
     )
     run.assert_ok()
     steps = range(1, LONG_STEPS + 1)
+    figures = ("stalled_calls", "taken_back_calls", "segments_per_sample/max", "tokens_generated", "tokens_trained")
+    for step in steps:
+        print(backend, step, {name: run.metric(step, f"partial/{name}") for name in figures})
     # The condition happened: calls outlived request_timeout_s and were taken back.
     assert sum(run.metric(step, "partial/stalled_calls") for step in steps) > 0
     for step in steps:

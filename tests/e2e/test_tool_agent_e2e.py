@@ -31,9 +31,9 @@ from harness import (
     run_trainer,
 )
 
+from verl_partial.core.partial_config import STATE_FILE
 from verl_partial.demo.assets import tool_overrides
 from verl_partial.demo.tools import TOOL_DELAY_ENV, TOOL_LOG_ENV
-from verl_partial.glue.partial_rollout import STATE_FILE
 
 pytestmark = pytest.mark.e2e
 

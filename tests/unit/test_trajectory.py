@@ -131,7 +131,12 @@ def test_parked_with_calls_pending_runs_them_once_and_never_again():
 
 def test_step_token_budget_counts_model_tokens_and_response_length_counts_all():
     """The pool holds a multi-turn sample's model tokens (its budget view) and the trajectory (the whole response)."""
-    pool = RolloutPool(PartialConfig(step_token_budget=5), group_size=1, batch_groups=1, response_length=10)
+    pool = RolloutPool(
+        PartialConfig(step_token_budget=5, staleness_policy="restart", refill=False),
+        group_size=1,
+        batch_groups=1,
+        response_length=10,
+    )
     pool.admit({"row": 0}, "g0")
     pool.begin_step(1, 0)
     (ref,) = pool.runnable()
@@ -201,7 +206,12 @@ def test_pool_keeps_a_trajectory_payload_through_a_checkpoint_and_drops_it_on_re
     """The pool's hook for multi-turn samples: the loop's state rides on the sample, opaque to the pool."""
 
     def new_pool() -> RolloutPool[dict]:
-        return RolloutPool(PartialConfig(max_staleness=0), group_size=1, batch_groups=1, response_length=64)
+        return RolloutPool(
+            PartialConfig(max_staleness=0, staleness_policy="restart", refill=False),
+            group_size=1,
+            batch_groups=1,
+            response_length=64,
+        )
 
     pool = new_pool()
     pool.admit({"row": 0}, "g0")

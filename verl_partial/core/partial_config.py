@@ -84,15 +84,16 @@ class PartialConfig:
 
     request_timeout_s: float = 600.0
     """Seconds a server may go without returning any result while it has calls of ours outstanding; then those calls
-    are judged stalled and cancelled at the server. Time spent queued behind other calls of a server that keeps
-    answering does not count. A stalled call that brings its tokens back (it was slow, not stuck) keeps them and is
-    not a failure."""
+    are judged stalled and taken back at the server by request id. Time spent queued behind other calls of a server
+    that keeps answering does not count. A taken-back call that brings its tokens back (a long decode: slow, not
+    stuck) keeps them, is resumed and is not a failure; one that brings nothing counts as a failed call."""
 
     abort_grace_s: float = 5.0
-    """At the step end, how long to wait for calls to answer the abort before cancelling those still parked at a gate
-    or in transit (not a failure), and how long a cancelled call may take to answer before it is abandoned. A step
-    end takes about one ``abort_grace_s`` when calls are parked or in transit, and at most ``5 * abort_grace_s`` even
-    when a server hangs (abort, grace, cancel, its answer and resume are each bounded by it)."""
+    """At the step end, how long to wait for calls to answer the abort before taking back those still out (queued in
+    an engine, which holds vLLM's abort barrier, or in transit); and how long a taken-back call may take to answer
+    before it is cancelled (the only way tokens can be lost, ``partial/cancelled_calls``), then abandoned. A step
+    end takes about one ``abort_grace_s`` when calls are still out, and at most ``5 * abort_grace_s`` even when a
+    server hangs (grace, take-back, cancel, the abort's return and resume are each bounded by it)."""
 
     max_calls_per_server: int = 512
     """Most outstanding generate calls per server; keep it below the server actor's Ray ``max_concurrency`` (1000 in
@@ -135,6 +136,15 @@ class PartialConfig:
                 ">= 1 with partial.staleness_policy=wait and partial.refill or partial.extra_groups (at 0 every "
                 "carried-over group would be stale; use extra_groups=0, refill=false)",
                 self.max_staleness,
+            )
+            # A per-step budget makes carried-over groups age in lockstep: more of them can come due in one step than
+            # it trains, and wait would then have to throw the rest away after all.
+            require(
+                self.step_token_budget is None,
+                "partial.step_token_budget",
+                "null with partial.staleness_policy=wait (use staleness_policy=keep or restart with a per-step budget, "
+                "as +partial=kimi does)",
+                self.step_token_budget,
             )
         require(self.max_retries >= 0, "partial.max_retries", "an integer >= 0", self.max_retries)
         require(self.request_timeout_s > 0, "partial.request_timeout_s", "a number > 0", self.request_timeout_s)

@@ -403,7 +403,8 @@ class RolloutPool(Generic[P]):
         """
         self.check_server_version(result)
         group = self.groups.get(ref.group_id)
-        if group is None:  # taken out while the call was running (its late result is ignored)
+        if group is None:  # taken out while the call was running: its tokens are thrown away, and counted
+            self.count(tokens_generated=len(result.new_ids), tokens_discarded=len(result.new_ids))
             return
         sample = group.samples[ref.index]
         if not sample.in_flight:

@@ -155,6 +155,7 @@ class _Step(Generic[P]):
         self.source_empty = False
         # Set once abort_all went out: from then on an empty ABORTED answer is the abort's, not a failure.
         self.aborted = False
+        self.abort: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------ launching
     def fill(self) -> None:
@@ -214,12 +215,8 @@ class _Step(Generic[P]):
         call = self.calls[future]
         self.forget(call)
         server, ref = call.request.server, call.request.ref
-        if call.given_up is _Why.ORPHAN:
-            if not future.cancelled() and future.exception() is None:
-                # Its group is gone: whatever it generated is thrown away, and counted.
-                thrown = len(future.result().new_ids)
-                self.pool.count(tokens_generated=thrown, tokens_discarded=thrown)
-            _consume(future)
+        if call.given_up is _Why.ORPHAN:  # its group is gone: whatever it generated is thrown away, and counted
+            self.discard_late(future)
             return
         ending = self.aborted or call.given_up is _Why.STEP_END
         error = None if future.cancelled() else future.exception()
@@ -253,6 +250,11 @@ class _Step(Generic[P]):
             # nothing while saying it finished: a failure.
             self.router.avoid(server)
             self.fail(ref)
+
+    def discard_late(self, future: asyncio.Future[SegmentResult]) -> None:
+        if not future.cancelled() and future.exception() is None:
+            thrown = len(future.result().new_ids)
+            self.pool.count(tokens_generated=thrown, tokens_discarded=thrown)
 
     def release(self, ref: SampleRef) -> None:
         self.pool.release(ref)
@@ -340,8 +342,10 @@ class _Step(Generic[P]):
                 timed_out = True
         while self.answers:
             future = self.answers.popleft()
-            if future in self.calls:  # an abandoned call's late answer is ignored
+            if future in self.calls:
                 self.record(future)
+            else:  # an abandoned call's late answer: its sample moved on, so its tokens are thrown away, and counted
+                self.discard_late(future)
         # Woken by the deadline: it is due, even if the clock reads a rounding step short of it (a deadline one
         # float ulp ahead of the clock would otherwise be re-armed forever with a zero timeout).
         now = self.loop.time()
@@ -372,11 +376,11 @@ class _Step(Generic[P]):
         self.give_up(list(self.calls.values()), _Why.STEP_END)
         while self.calls:
             await self.wait(None)
-        await self.settle(abort)
+        self.abort = abort  # run_step resumes only once it returned (or counts a control timeout)
 
     async def settle(self, control: asyncio.Task[None]) -> None:
-        """Wait for a control call (abort, take-back, cancel), bounded by ``abort_grace_s``: a hung server must not
-        hang the step. One that does not return in time is counted (``partial/control_timeouts``)."""
+        """Wait for a control call, bounded by ``abort_grace_s``: a hung server must not hang the step. One that does
+        not return in time is counted (``partial/control_timeouts``)."""
         done, _ = await asyncio.wait([control], timeout=self.config.abort_grace_s)
         if not done:
             self.pool.count(control_timeouts=1)
@@ -451,8 +455,11 @@ async def run_step(
             state.give_up(list(state.calls.values()), _Why.STEP_END)
             for call in list(state.calls.values()):
                 state.abandon(call)
-        if state.controls:
+        if state.controls:  # the abort, and take-backs or cancels still on their way
             await asyncio.wait(list(state.controls), timeout=pool.config.abort_grace_s)
+        if state.abort is not None and not state.abort.done():
+            # A server that has not finished its abort may still pause after the resume: say so.
+            state.pool.count(control_timeouts=1)
         if pool.config.abort_on_done:
             await state.settle(state.background(backend.resume()))
     trained = pool.take_ready()

@@ -33,7 +33,7 @@ from verl import DataProto
 from verl.experimental.agent_loop.agent_loop import AgentLoopManager
 
 from verl_partial.core.on_policy import LengthEstimator
-from verl_partial.core.partial_config import PartialConfig
+from verl_partial.core.partial_config import STATE_FILE, PartialConfig
 from verl_partial.core.pool import GroupState, RolloutPool, SampleState
 from verl_partial.core.scheduler import StepResult, run_step
 from verl_partial.core.turn_metrics import parked_turn_metrics, trained_turn_metrics
@@ -46,7 +46,6 @@ logger = logging.getLogger("verl_partial.partial")
 PARTIAL_KEY = "partial_key"
 VERSION_KEY = "rollout_policy_version"
 META_KEY = "verl_partial"
-STATE_FILE = "verl_partial_state.pt"
 
 Row = dict[str, Any]
 
