@@ -205,14 +205,16 @@ class SimEngine:
         return self.open[server]
 
     def generating(self) -> list[str]:
-        """Requests decoding on a live server for a client that still waits (zombies are counted apart)."""
+        """Requests decoding on a live server that nobody told to stop. Zombies are counted apart; a request told to
+        abort ends within one engine step (SGLang: after its one more token), which no client can wait for when the
+        abort went with a cancel."""
         now = self.now()
         return [
             c.request.request_id
             for server in self.servers_
             if not server.dead(now)
             for c in server.running
-            if not c.zombie
+            if not c.zombie and not c.abort
         ]
 
     def live_calls(self) -> list[SimCall]:
