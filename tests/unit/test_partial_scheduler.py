@@ -194,7 +194,7 @@ def configs(draw: st.DrawFn, max_extra: int = 6) -> PartialConfig:
     extra = 0 if policy == "wait" and (refill or max_staleness == 0) else draw(st.integers(0, max_extra))
     return PartialConfig(
         extra_groups=extra,
-        step_token_budget=draw(st.one_of(st.none(), st.integers(1, 24))),
+        step_token_budget=None if policy == "wait" else draw(st.one_of(st.none(), st.integers(1, 24))),
         chunk_tokens=draw(st.one_of(st.none(), st.integers(1, 16))),
         abort_on_done=draw(st.booleans()),
         max_staleness=max_staleness,
