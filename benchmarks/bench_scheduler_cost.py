@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import cProfile
+import dataclasses
 import pstats
 import sys
 import time
@@ -21,7 +22,7 @@ import time
 import numpy as np
 
 from verl_partial.core.finish import Finish
-from verl_partial.core.partial_config import PartialConfig
+from verl_partial.core.partial_config import PRESETS
 from verl_partial.core.pool import GroupState, RolloutPool, SegmentRequest, SegmentResult
 from verl_partial.core.scheduler import run_step
 from verl_partial.sim.clock import run_virtual
@@ -92,10 +93,10 @@ class EndlessPrompts:
 
 
 async def measure(prompts: int, default: bool) -> None:
-    if default:  # +partial=default
-        config = PartialConfig(extra_groups=0, max_staleness=1, staleness_policy="wait", refill=True)
-    else:
-        config = PartialConfig(extra_groups=prompts // 8, max_staleness=1, staleness_policy="keep")
+    if default:  # +partial=default: wait + refill, staleness <= 1
+        config = PRESETS["default"]
+    else:  # the restart preset's pool (groups admitted at the step start) with keep, an eighth extra
+        config = dataclasses.replace(PRESETS["restart"], extra_groups=prompts // 8, staleness_policy="keep")
     pool: RolloutPool[int] = RolloutPool(config, group_size=N, batch_groups=prompts, response_length=RESPONSE_LENGTH)
     backend, source = InstantBackend(), EndlessPrompts()
     for step in range(1, STEPS + 1):

@@ -55,7 +55,6 @@ from typing import Any
 import numpy as np
 
 from benchmarks._machine import cpu_name
-from benchmarks._modes import previous_default
 from verl_partial.cli import DEFAULT_CACHE, demo_command
 from verl_partial.demo.assets import DemoAssets, build_assets, hydra_overrides
 from verl_partial.sim.stats import ks_distance
@@ -104,7 +103,7 @@ class Mode:
 def modes(keep_extra_groups: int) -> dict[str, Mode]:
     return {
         "sync": Mode("sync", None),
-        "restart": Mode("restart", "default", previous_default()),
+        "restart": Mode("restart", "restart"),
         "keep": Mode(
             "keep",
             "default",

@@ -35,16 +35,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from verl_partial.cli import demo_command
-from verl_partial.core.correction import PRESET_NAMES
+from verl_partial.core.correction import PRESET_NAMES, preset
 from verl_partial.demo.assets import build_assets, hydra_overrides
 
-ROOT = Path(__file__).resolve().parents[1]
-
 RUN_TIMEOUT_S = 420
-PRESET_DIR = ROOT / "hydra_configs" / "rollout_correction"
 
 # (column, metric suffix under rollout_corr/ or actor/rollout_corr/)
 VALUE_COLUMNS = (
@@ -111,10 +106,9 @@ def _text(value: bytes | str | None) -> str:
 
 
 def expected_bypass(name: str) -> bool | None:
-    try:
-        return bool(yaml.safe_load((PRESET_DIR / f"{name}.yaml").read_text())["rollout_correction"]["bypass_mode"])
-    except (OSError, KeyError, TypeError):
-        return None
+    """The preset's ``bypass_mode`` as the config code defines it; None for a name a stored dump holds but no preset
+    has any more (``--from-json``)."""
+    return preset(name).bypass_mode if name in PRESET_NAMES else None
 
 
 def error_summary(log: str, lines: int = 25) -> tuple[str, str]:

@@ -3,9 +3,9 @@
 Projection: Qwen2.5-7B (TP1, 8 servers) and Qwen2.5-32B (TP2, 4 servers) on 8 x H100 SXM; 128 prompts x 16
 samples per step; prompt 256 tokens; response lengths lognormal with median 1,024 and p99/p50 of 8 or 20, capped
 at 32,768; a 512-prompt data set (an epoch every 4 steps, so the on-policy mode has each prompt's history from
-the second epoch on). Modes: sync, the default preset, keep, kimi, on_policy, on_policy with over-provisioning,
-keep with a quarter of the batch in extra groups, and stream (staleness_policy=wait + refill: streaming admission at
-a hard staleness bound of 1).
+the second epoch on). Modes: sync, the restart preset (the previous default), keep, kimi, on_policy, on_policy with
+over-provisioning, keep with a quarter of the batch in extra groups, and the default preset (staleness_policy=wait +
+refill: streaming admission at a hard staleness bound of 1).
 
 Length bias: one Qwen2.5-7B server (one GPU's share of the projection: 16 prompts x 16 per step), the heavier
 tail (p99/p50 = 20), every staleness policy x extra_groups in {1/16, 1/4, 1/2, 1} x batch, plus wait + refill; KS of
@@ -30,7 +30,7 @@ from verl_partial.sim.workload import Workload
 
 NO_STALLS = {"request_timeout_s": 1e9}
 SETUPS = {"7B": (ServerSpec(H100_SXM, QWEN25_7B, tp=1), 8), "32B": (ServerSpec(H100_SXM, QWEN25_32B, tp=2), 4)}
-MODES = ("sync", "partial", "keep", "kimi", "on_policy", "on_policy_over", "keep_quarter", "stream")
+MODES = ("sync", "restart", "keep", "kimi", "on_policy", "on_policy_over", "keep_quarter", "default")
 # Steps left out before a mode is measured: the partial modes start with an empty pool; the on-policy modes need
 # one epoch (4 steps) of prompt history before their estimates exist. Sync is measured over the same steps as each
 # mode it is compared with (its own row: the partial modes' steps).
@@ -47,7 +47,9 @@ def projection(steps: int, step_overhead_s: float = 0.0) -> list[dict[str, objec
             load = Workload(batch=128, n=16, p50=1024, p99_over_p50=tail, response_length=32768, prompts=512)
             limit = throughput_limit(spec, servers, load)
             configs = mode_configs(load.batch)
-            configs["keep_quarter"] = PartialConfig(staleness_policy="keep", extra_groups=load.batch // 4, **NO_STALLS)
+            configs["keep_quarter"] = PartialConfig(
+                staleness_policy="keep", extra_groups=load.batch // 4, refill=False, **NO_STALLS
+            )
             sync_run = simulate(configs["sync"], load, spec, servers, steps + max(WARMUP.values()))
             for mode in MODES:
                 warmup = WARMUP.get(mode, PARTIAL_WARMUP)
@@ -72,7 +74,7 @@ def bias_sweep(steps: int, batch: int) -> list[dict[str, object]]:
     spec = SETUPS["7B"][0]
     load = Workload(batch=batch, n=16, p50=1024, p99_over_p50=20.0, response_length=32768, prompts=4096)
     limit = throughput_limit(spec, 1, load)
-    sync = simulate(PartialConfig(extra_groups=0, **NO_STALLS), load, spec, 1, steps + BIAS_WARMUP).steady(BIAS_WARMUP)
+    sync = simulate(mode_configs(batch)["sync"], load, spec, 1, steps + BIAS_WARMUP).steady(BIAS_WARMUP)
     rows = [{"policy": "sync", "extra_groups": 0, **summarize(sync, sync, load, limit)}]
     print(json.dumps(rows[-1]), flush=True)
     sweep = [

@@ -97,7 +97,7 @@ def main() -> None:
             row["version_error"] = row["predicted_version_s"] / row["published_step_s"] - 1
             rows.append(row)
             print(f"tail {tail}: {row}", flush=True)
-        sync = PartialConfig(extra_groups=0, request_timeout_s=1e9)
+        sync = PartialConfig(extra_groups=0, staleness_policy="restart", refill=False, request_timeout_s=1e9)
         colocated = float(np.mean(simulate(sync, workload(p50, tail), spec, 32, 3).seconds))
         print(f"tail {tail}: colocated sync on 128 GPUs {colocated:.1f} s vs {PUBLISHED_COLOCATED_128}", flush=True)
         report["tails"][str(tail)] = {
