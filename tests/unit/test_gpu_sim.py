@@ -249,10 +249,10 @@ def test_simulate_command_prints_one_row_per_mode(capsys):
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.startswith("| ")]
     assert [row.split(" | ")[0] for row in rows] == ["| mode", "| sync", "| restart", "| on_policy"]
-    assert rows[0].split(" | ")[-1] == "ceiling at its staleness |"
-    # No schedule beats its own floor: sync's ceiling over itself is at least 1.
+    assert rows[0].split(" | ")[-1] == "bound for its own batches at its staleness |"
+    # No schedule beats its own floor: sync's bound over itself is at least 1.
     assert float(rows[1].split(" | ")[-1].rstrip(" |x")) >= 1.0
-    assert "for sync's batches at staleness <= 1" in out
+    assert "bound (sync's batch composition) at staleness <= 1" in out
     for row in rows[1:]:  # the mean phase lies between the shortest and the longest
         mean, shortest, longest = (float(cell) for cell in row.split(" | ")[1:4])
         assert shortest <= mean <= longest

@@ -3,9 +3,11 @@
 Runs verl-partial's real scheduler against a roofline model of vLLM servers in virtual time (a few seconds of CPU
 per simulated step) and prints, per mode, the rollout seconds per step (mean, shortest and longest phase: a
 scheduler that alternates short and long phases shows it there), the speed-up over synchronous rollout,
-the share of the engine-throughput limit, staleness, thrown-away tokens, the length bias of what is trained, and
-the ceiling: the highest speed-up any scheduler could reach at that staleness (verl_partial/sim/bound.py).
-The model, its sources and its validation error are in docs/gpu-projection.md.
+the share of the reference rate (every server decoding at full concurrency at the mean context: an estimate, not a
+limit), staleness, thrown-away tokens, the length bias of what is trained, and the bound: the highest speed-up any
+colocated schedule that trains those same batches could reach at that staleness (verl_partial/sim/bound.py;
+schedules that regroup samples into other batches are not covered). The model, its sources and its validation
+error are in docs/gpu-projection-model.md; the bound method in docs/gpu-projection-tables.md.
 """
 
 from __future__ import annotations
@@ -26,13 +28,13 @@ COLUMNS = (
     ("rollout_s_min", "shortest phase s", "{:.1f}"),
     ("rollout_s_max", "longest phase s", "{:.1f}"),
     ("speedup", "speed-up", "{:.2f}x"),
-    ("share_of_limit", "% of limit", "{:.0%}"),
+    ("share_of_limit", "% of reference rate", "{:.0%}"),
     ("staleness_mean", "staleness mean", "{:.2f}"),
     ("staleness_max", "max", "{:.0f}"),
     ("discarded_fraction", "discarded", "{:.1%}"),
     ("ks_vs_sync", "KS vs sync", "{:.3f}"),
     ("max_group_wait", "max wait (steps)", "{:.0f}"),
-    ("ceiling", "ceiling at its staleness", "{:.2f}x"),
+    ("ceiling", "bound for its own batches at its staleness", "{:.2f}x"),
 )
 
 
@@ -100,7 +102,7 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     print(
         f"{model.name} on {args.gpus} x {args.gpu} (TP{args.tp}, {servers} servers, KV cache "
         f"{spec.kv_capacity_tokens:,} tokens/server); {args.batch} x {args.n} per step, p50 {args.p50:.0f}, "
-        f"p99/p50 {workload.p99_over_p50:.1f}, cap {args.response_length}; throughput limit {limit:,.0f} tokens/s",
+        f"p99/p50 {workload.p99_over_p50:.1f}, cap {args.response_length}; reference rate {limit:,.0f} tokens/s",
         flush=True,
     )
     runs = {}
@@ -118,8 +120,9 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         if mode in modes
     }
     print(
-        "ceiling: the highest speed-up over sync any scheduler reaches training those batches at that staleness "
-        f"(docs/gpu-projection.md); for sync's batches at staleness <= 1: "
+        "bound: the highest speed-up over sync of any schedule that trains those same batches at that staleness "
+        "(regrouping samples into other batches is not covered; docs/gpu-projection-tables.md); "
+        f"bound (sync's batch composition) at staleness <= 1: "
         f"{ceiling(runs['sync'], runs['sync'], workload, spec, servers, 1):.2f}x"
     )
     print("| mode | " + " | ".join(title for _, title, _ in COLUMNS) + " |")
