@@ -55,6 +55,7 @@ from benchmarks.bench_vllm_trainer import (
 )
 
 LOCK = "/tmp/heavy.lock"
+MODULE = "benchmarks.bench_peer"  # what Ray workers and verl's hooks import (not __name__: "__main__" under -m)
 RUN_TIMEOUT_S = 1500  # one trainer run, once it holds the lock
 START, END = "<!-- peer-benchmark:start -->", "<!-- peer-benchmark:end -->"
 GOALS_START, GOALS_END = "<!-- peer-goals:start -->", "<!-- peer-goals:end -->"
@@ -68,7 +69,7 @@ V1_ASYNC = "trainer.v1.trainer_mode=colocate_async"
 
 def _fast_poll(class_name: str) -> tuple[str, ...]:
     return (
-        f"trainer.v1.sampler.custom_sampler.path=pkg://{__name__}",
+        f"trainer.v1.sampler.custom_sampler.path=pkg://{MODULE}",
         f"trainer.v1.sampler.custom_sampler.name={class_name}",
         f"+trainer.v1.sampler.sampler_kwargs.poll_interval_s={FAST_POLL_S}",
     )
@@ -166,7 +167,7 @@ def _fast_poll_classes() -> dict[str, type]:
             _base.__init__(self, sampler_kwargs=sampler_kwargs, poll_interval=_poll_interval(sampler_kwargs), **kwargs)
 
         name = f"FastPoll{base.__name__}"
-        classes[name] = type(name, (base,), {"__init__": __init__, "__module__": __name__})
+        classes[name] = type(name, (base,), {"__init__": __init__, "__module__": MODULE})
     return classes
 
 
@@ -186,7 +187,7 @@ def command_for(mode: PeerMode, paths: dict[str, Path], wl: Workload, run_dir: P
     # bench_vllm_trainer's overrides: verl's agent loop with imposed lengths for sync, its worker hook for partial.
     overrides = trainer_overrides(paths, wl, run_dir, "sync" if mode.partial is None else "partial")
     if mode.trainer == "v1":  # the same agent-loop registration, pointing at the v1-aware subclass
-        target = f"{__name__}.{SessionImposedLengthAgentLoop.__name__}"
+        target = f"{MODULE}.{SessionImposedLengthAgentLoop.__name__}"
         (run_dir / "agent_loops.yaml").write_text(f"- name: {AGENT_LOOP}\n  _target_: {target}\n")
     return demo_command(
         [],

@@ -89,3 +89,10 @@ def test_goal_verdicts_use_every_round(peer: ModuleType) -> None:
     assert peer.verdict([1.6, 1.7], 1.5) == " -- goal met in every round"
     assert peer.verdict([1.4, 1.7], 1.5) == " -- goal 1.5x met in some rounds only"
     assert peer.verdict([1.1, 1.2], 1.5) == " -- goal 1.5x not met"
+
+
+def test_hooks_name_the_importable_module(peer: ModuleType) -> None:
+    """Ray workers and verl's custom-sampler hook import the module by name; under ``python -m`` its ``__name__`` is
+    ``__main__``, which they cannot import."""
+    assert peer.MODULE == peer.__name__
+    assert f"custom_sampler.path=pkg://{peer.MODULE}" in " ".join(peer.MODES["v1_async_bound_fastpoll"].overrides)
