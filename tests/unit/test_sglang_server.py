@@ -68,7 +68,13 @@ def test_stop_reasons_are_sglangs_stop_length_abort(demo_assets):
 
     async def main():
         server = make(demo_assets)
-        stop = call(server, "stop/", {"max_tokens": 64, "logprobs": True}, prompt=countdown(demo_assets))
+        # Greedy, with the whole response budget: the demo model ends a countdown answer with EOS.
+        stop = call(
+            server,
+            "stop/",
+            {"max_tokens": demo_assets.max_response_length, "temperature": 0.0, "logprobs": True},
+            prompt=countdown(demo_assets),
+        )
         length = call(server, "length/", {"max_tokens": 3, "ignore_eos": True, "logprobs": True})
         aborted = call(server, "abort/")
         await server.engine.wait_until(lambda: tokens(server, "abort/") >= 2)

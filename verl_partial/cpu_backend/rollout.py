@@ -183,6 +183,23 @@ class _CpuServerBase:
     async def stop_profile(self) -> None:
         return None
 
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        request_id: str,
+        image_data: list[Any] | None = None,
+        video_data: list[Any] | None = None,
+        **_unused: Any,
+    ) -> TokenOutput:
+        """The server actor's ``generate``, as verl's servers take it; each engine's semantics are its ``_generate``."""
+        if image_data or video_data:
+            raise ValueError("the CPU rollout backend is text-only")
+        return await self._generate([int(token) for token in prompt_ids], sampling_params, request_id)
+
+    async def _generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str) -> TokenOutput:
+        raise NotImplementedError
+
     def engine_stats(self) -> dict[str, Any]:
         return dataclasses.asdict(self.engine.stats)
 
@@ -226,27 +243,16 @@ class CpuRolloutServer(_CpuServerBase):
         # Admitted past the gate but without a first output yet (vLLMHttpServer._admitting).
         self._admitting = 0
 
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        sampling_params: dict[str, Any],
-        request_id: str,
-        image_data: list[Any] | None = None,
-        video_data: list[Any] | None = None,
-        **_unused: Any,
-    ) -> TokenOutput:
+    async def _generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str) -> TokenOutput:
         """``vLLMHttpServer.generate``: clamp ``max_tokens`` to ``[1, max_model_len - prompt]`` (a truncated answer
         ends "length", reported "completed"), wait at the gate, then run in the engine; ``_admitting`` falls at the
         request's first output. A cancelled call aborts its request (vLLM's ``AsyncLLM.generate`` does so on
         ``CancelledError``) and returns nothing."""
-        if image_data or video_data:
-            raise ValueError("the CPU rollout backend is text-only")
         draw = self.fault_rng.random()
         if draw < self.faults.raise_rate:
             raise RuntimeError(f"injected fault ({FAULTS_ENV})")
         if draw < self.faults.raise_rate + self.faults.hang_rate:
             await asyncio.sleep(self.faults.hang_s)
-        prompt_ids = [int(token) for token in prompt_ids]
         max_possible_tokens = self.max_model_len - len(prompt_ids)
         if max_possible_tokens < 1:
             raise ValueError(
@@ -509,20 +515,10 @@ class CpuSglangServer(_CpuServerBase):
         self.node_rank = 0
         self.tokenizer_manager = SglangTokenizerManager(self.engine)
 
-    async def generate(
-        self,
-        prompt_ids: list[int],
-        sampling_params: dict[str, Any],
-        request_id: str,
-        image_data: list[Any] | None = None,
-        video_data: list[Any] | None = None,
-    ) -> TokenOutput:
+    async def _generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str) -> TokenOutput:
         """``SGLangHttpServer.generate``: ``max_new_tokens`` clamped to ``[0, max_model_len - prompt - 1]``, the
         finish type ("stop"/"length"/"abort") passed through as ``stop_reason``, log-probs dropped (``[]``) when
         SGLang's logprob list does not match its ``output_ids``."""
-        if image_data or video_data:
-            raise ValueError("the CPU rollout backend is text-only")
-        prompt_ids = [int(token) for token in prompt_ids]
         max_possible_tokens = self.max_model_len - len(prompt_ids) - 1
         if max_possible_tokens < 0:
             raise ValueError(
