@@ -10,8 +10,10 @@ outside the range these wrappers were written and tested against.
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.abc
 import importlib.metadata
+import inspect
 import os
 import sys
 from collections.abc import Callable, Iterable
@@ -440,6 +442,52 @@ def _register_cpu_sglang_backend() -> None:
 
     RolloutReplicaRegistry.register(CPU_SGLANG_ROLLOUT_NAME, load_cpu_sglang_replica)
     rollout_base._ROLLOUT_REGISTRY[(CPU_SGLANG_ROLLOUT_NAME, "async")] = CPU_SERVER_ADAPTER
+
+
+# ---------------------------------------------------------------------------------------------- glue's reach
+# Private members of the verl classes partial rollout's glue subclasses and calls (glue/partial_agent_loop.py,
+# glue/partial_rollout.py, glue/partial_tool_loop.py). The glue reuses them instead of copying verl's padding, reward,
+# metrics and tool-turn code; they are declared here, with the rest of our reach into verl, and checked when a
+# partial-rollout manager starts, so a verl that renamed one fails at start-up naming it, not mid-run.
+GLUE_PRIVATE_METHODS: dict[str, tuple[str, ...]] = {
+    "verl.experimental.agent_loop.agent_loop:AgentLoopWorker": ("_agent_loop_postprocess", "_postprocess"),
+    "verl.experimental.agent_loop.agent_loop:AgentLoopManager": ("_performance_metrics",),
+    "verl.experimental.agent_loop.tool_agent_loop:ToolAgentLoop": (
+        "_handle_pending_state",
+        "_handle_processing_tools_state",
+        "_build_assistant_message",
+    ),
+}
+# Attributes verl's ToolAgentLoop.run sets on its AgentData and its tool-turn methods read; the glue sets them alike.
+GLUE_PRIVATE_ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    "verl.experimental.agent_loop.tool_agent_loop:ToolAgentLoop.run": ("_active_tools", "_active_tool_schemas"),
+}
+
+
+def check_glue_reach() -> None:
+    """Refuse to start partial rollout on a verl whose private members the glue relies on have changed."""
+    import verl
+
+    missing = []
+    for target, names in GLUE_PRIVATE_METHODS.items():
+        owner = _resolve(target)
+        missing += [f"{target}.{name}" for name in names if not callable(getattr(owner, name, None))]
+    for target, names in GLUE_PRIVATE_ATTRIBUTES.items():
+        code = getattr(inspect.unwrap(_resolve(target)), "__code__", None)
+        missing += [f"{target} sets {name}" for name in names if code is None or name not in code.co_names]
+    if missing:
+        raise UnsupportedVerlError(
+            f"verl {verl.__version__} lacks what verl-partial's partial-rollout glue reuses: {missing}; "
+            f"supported: verl >={SUPPORTED_VERL[0]},<{SUPPORTED_VERL[1]}"
+        )
+
+
+def _resolve(target: str) -> Any:
+    module_name, _, path = target.partition(":")
+    value: Any = importlib.import_module(module_name)
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
 
 
 # ---------------------------------------------------------------------------------------------- vLLM server

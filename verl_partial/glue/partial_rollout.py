@@ -32,6 +32,7 @@ import torch
 from verl import DataProto
 from verl.experimental.agent_loop.agent_loop import AgentLoopManager
 
+from verl_partial import verl_patches
 from verl_partial.core.on_policy import LengthEstimator
 from verl_partial.core.partial_config import STATE_FILE, PartialConfig
 from verl_partial.core.pool import GroupState, RolloutPool, SampleState
@@ -136,6 +137,7 @@ class PartialAgentLoopManager(AgentLoopManager):
     """verl's AgentLoopManager plus the hand-over of groups finished by partial rollout."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        verl_patches.check_glue_reach()
         # A worker holds one streaming call per launch wave until its slowest segment ends; the concurrency cap
         # must never make a cancel wait behind them (Ray's default for async actors is 1000).
         self.agent_loop_workers_class = ray.remote(max_concurrency=WORKER_MAX_CONCURRENCY)(PartialAgentLoopWorker)
