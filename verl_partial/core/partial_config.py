@@ -92,8 +92,8 @@ class PartialConfig:
     """At the step end, how long to wait for calls to answer the abort before taking back those still out (queued in
     an engine, which holds vLLM's abort barrier, or in transit); and how long a taken-back call may take to answer
     before it is cancelled (the only way tokens can be lost, ``partial/cancelled_calls``), then abandoned. A step
-    end takes about one ``abort_grace_s`` when calls are still out, and at most ``5 * abort_grace_s`` even when a
-    server hangs (grace, take-back, cancel, the abort's return and resume are each bounded by it)."""
+    end takes about one ``abort_grace_s`` when calls are still out, and at most ``6 * abort_grace_s`` even when a
+    server hangs (grace, two take-backs, cancel, the abort's return and resume are each bounded by it)."""
 
     max_calls_per_server: int = 512
     """Most outstanding generate calls per server; keep it below the server actor's Ray ``max_concurrency`` (1000 in

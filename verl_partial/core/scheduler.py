@@ -11,7 +11,8 @@ engine to produce a first output, and SGLang keeps decoding a request whose call
 
 * **Giving up a call never loses its tokens.** A call is given up by taking it back: aborted at its server by
   request id, so it answers ABORTED with every token it generated. Only a call that does not answer within
-  ``partial.abort_grace_s`` (its server hung, or it never reached the engine) is cancelled -- counted as
+  ``partial.abort_grace_s`` is taken back once more (a call in transit at the first may have reached its engine
+  since); one that does not answer that either (its server hung) is cancelled -- counted as
   ``partial/cancelled_calls``, the only way tokens can be lost -- and abandoned after one more ``abort_grace_s``.
 * **Step end.** Stop launching -> ``backend.abort_all()`` starts (gates close, rejecting late arrivals; running
   calls return ABORTED with their tokens) -> answers are recorded for ``abort_grace_s`` -> every call still out is
@@ -113,7 +114,10 @@ class _Stage(Enum):
     """How far giving up a call has gone (module docstring, "Giving up a call")."""
 
     TAKEN_BACK = "taken_back"  # aborted at its server by request id: its tokens come back with its answer
-    CANCELLED = "cancelled"  # did not answer the take-back in time: dropped, whatever it generated is lost
+    # Taken back once more: a call still in transit at the first take-back (its server did not hold it yet) may have
+    # reached its engine since; a second take-back returns its tokens, where a cancel would lose them.
+    TAKEN_BACK_AGAIN = "taken_back_again"
+    CANCELLED = "cancelled"  # did not answer two take-backs in time: dropped, whatever it generated is lost
 
 
 @dataclass
@@ -305,15 +309,19 @@ class _Step(Generic[P]):
                 self.progress[server] = now
                 self.give_up([c for c in self.calls.values() if c.request.server == server], _Why.STALLED)
         unanswered = [c for c in self.given_up.values() if now >= c.stage_at + self.config.abort_grace_s]
-        cancel = [call for call in unanswered if call.stage is _Stage.TAKEN_BACK]
-        for call in cancel:
-            call.stage, call.stage_at = _Stage.CANCELLED, now
+        again = [call for call in unanswered if call.stage is _Stage.TAKEN_BACK]
+        cancel = [call for call in unanswered if call.stage is _Stage.TAKEN_BACK_AGAIN]
+        for calls, stage in ((again, _Stage.TAKEN_BACK_AGAIN), (cancel, _Stage.CANCELLED)):
+            for call in calls:
+                call.stage, call.stage_at = stage, now
+        if again:
+            self.pool.count(taken_back_calls=len(again))
+            self.background(self.backend.take_back([call.request for call in again]))
         if cancel:
             self.pool.count(cancelled_calls=len(cancel))
             self.background(self.backend.cancel([call.request for call in cancel]))
-        cancelled_now = {id(call) for call in cancel}
         for call in unanswered:
-            if id(call) not in cancelled_now:
+            if call.stage is _Stage.CANCELLED and call.stage_at < now:
                 self.abandon(call)
 
     def abandon(self, call: _Call) -> None:
