@@ -118,7 +118,11 @@ def test_queued_steps_train_exactly_what_was_generated(queued_run, tmp_path):
 # answer run its whole response length (288 demo tokens: seconds on either engine), so its first tokens come well
 # within the timeout and its call outlives it many times over.
 LONG_STEPS = 3
-LONG_TIMEOUT_S = 0.5
+LONG_TIMEOUT_S = 1.0
+# On a loaded 2-core machine a call's first token can take longer than the tiny timeout; such a call is taken back
+# with nothing and counts as a failed call (a stall, rightly). The retries keep that noise from taking a group out;
+# what is asserted is that long answers train whole, nothing regenerated or thrown away.
+LONG_RETRIES = 10
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -143,6 +147,7 @@ def test_a_call_longer_than_request_timeout_trains_with_nothing_regenerated(back
             # CPU build) is not mistaken for a stall at this test's tiny timeout.
             "trainer.val_before_train=true",
             f"partial.request_timeout_s={LONG_TIMEOUT_S}",
+            f"partial.max_retries={LONG_RETRIES}",
             f"partial.ledger_path={tmp_path / 'ledger.jsonl'}",
             f"partial.dump_dir={tmp_path / 'dump'}",
             "trainer.test_freq=0",
@@ -155,8 +160,9 @@ def test_a_call_longer_than_request_timeout_trains_with_nothing_regenerated(back
         print(backend, step, {name: run.metric(step, f"partial/{name}") for name in figures})
     # The condition happened: calls outlived request_timeout_s and were taken back.
     assert sum(run.metric(step, "partial/stalled_calls") for step in steps) > 0
+    # Taken back WITH tokens and resumed: a sample needed more than one segment.
+    assert max(run.metric(step, "partial/segments_per_sample/max") for step in steps) >= 2
     for step in steps:
-        assert run.metric(step, "partial/failed_calls") == 0, step
         assert run.metric(step, "partial/failed_groups") == 0, step
         assert run.metric(step, "partial/cancelled_calls") == 0, step
         assert run.metric(step, "partial/tokens_discarded") == 0, step
