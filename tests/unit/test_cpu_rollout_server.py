@@ -162,18 +162,21 @@ def test_stop_reason_is_vllms_completed_for_eos_and_length(demo_assets):
     async def main():
         server = make_server(demo_assets)
         eos_ids = server.engine.eos_token_ids
+        # Greedy: which answers end on EOS and which on the budget must not depend on the random state tests leave.
+        budgets = [6] * 6 + [demo_assets.max_response_length]
         outputs = await asyncio.gather(
             *[
                 server.generate(
-                    prompt_ids=prompt(demo_assets, count), sampling_params={"max_tokens": 6}, request_id=str(i)
+                    prompt_ids=prompt(demo_assets, count),
+                    sampling_params={"max_tokens": budget, "temperature": 0.0},
+                    request_id=str(i),
                 )
-                for i, count in enumerate((2, 3, 5, 8, 13, 21))
-            ],
-            server.generate(prompt_ids=prompt(demo_assets, 4), sampling_params={"max_tokens": 64}, request_id="full"),
+                for i, (count, budget) in enumerate(zip((2, 3, 5, 8, 13, 21, 4), budgets, strict=True))
+            ]
         )
-        for output in outputs:
+        for output, budget in zip(outputs, budgets, strict=True):
             assert output.stop_reason == "completed"
-            finish = from_vllm(output.stop_reason, output.token_ids, 64 if len(output.token_ids) > 6 else 6, eos_ids)
+            finish = from_vllm(output.stop_reason, output.token_ids, budget, eos_ids)
             assert finish in (Finish.EOS, Finish.LENGTH)
             assert (finish is Finish.EOS) == (output.token_ids[-1] in eos_ids)
         assert any(len(o.token_ids) == 6 and o.token_ids[-1] not in eos_ids for o in outputs)  # a budget stop
