@@ -110,14 +110,17 @@ class _CpuServerBase:
     ``virtual_step_s`` is the engine's (tests on a virtual clock); Ray launches servers without it.
     """
 
+    # Whose engine semantics the server reproduces (set by each server class).
+    SEMANTICS: Semantics
+
     def __init__(
         self,
         config: RolloutConfig | DictConfig,
         model_config: HFModelConfig | DictConfig,
         replica_rank: int,
-        semantics: Semantics,
         virtual_step_s: float | None = None,
     ) -> None:
+        semantics = self.SEMANTICS
         from transformers import AutoModelForCausalLM
 
         torch.set_num_threads(max(1, int(os.environ.get("VERL_PARTIAL_CPU_THREADS", "1"))))
@@ -225,16 +228,12 @@ class CpuRolloutServer(_CpuServerBase):
     ``max_tokens`` clamp. Requests beyond ``max_num_seqs`` queue in the engine and produce nothing until they run.
     """
 
-    def __init__(
-        self,
-        config: RolloutConfig | DictConfig,
-        model_config: HFModelConfig | DictConfig,
-        replica_rank: int,
-        virtual_step_s: float | None = None,
-    ):
-        super().__init__(config, model_config, replica_rank, "vllm", virtual_step_s)
+    SEMANTICS = "vllm"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.faults = FaultInjection.from_env(os.environ.get(FAULTS_ENV))
-        self.fault_rng = random.Random(self.faults.seed * 1000 + replica_rank)
+        self.fault_rng = random.Random(self.faults.seed * 1000 + self.replica_rank)
         # vLLMHttpServer.__init__: the submission gate, closed by abort_all_requests and opened by
         # resume_generation; a request arriving while it is closed parks (or, when rejecting, is refused).
         self._submission_paused = False
@@ -504,14 +503,10 @@ class CpuSglangServer(_CpuServerBase):
     ``reject_request``, there is no per-request abort, and a cancelled ``generate`` sends no abort.
     :func:`~verl_partial.glue.sglang_server.apply_sglang_server_fix` adds those, to this class as to verl's."""
 
-    def __init__(
-        self,
-        config: RolloutConfig | DictConfig,
-        model_config: HFModelConfig | DictConfig,
-        replica_rank: int,
-        virtual_step_s: float | None = None,
-    ):
-        super().__init__(config, model_config, replica_rank, "sglang", virtual_step_s)
+    SEMANTICS = "sglang"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.node_rank = 0
         self.tokenizer_manager = SglangTokenizerManager(self.engine)
 
