@@ -377,7 +377,9 @@ def test_verls_sglang_server_runs_over_the_double_with_the_fix(verl_sglang_serve
 
     async def main():
         server, engine = verl_server(verl_sglang_server, demo_assets)
-        stop = await server.generate(countdown(demo_assets), {"max_tokens": 64, "logprobs": True}, "stop/")
+        stop = await server.generate(
+            countdown(demo_assets), {"max_tokens": 256, "temperature": 0.0, "logprobs": True}, "stop/"
+        )
         length = await server.generate(PROMPT, dict(LONG, max_tokens=3), "length/")
         assert (stop.stop_reason, length.stop_reason, len(length.token_ids)) == ("stop", "length", 3)
         running = asyncio.ensure_future(server.generate(PROMPT, dict(LONG), "run/"))
