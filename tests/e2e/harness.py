@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -135,3 +136,16 @@ def policy_at(assets: DemoAssets, run: Run, version: int) -> Any:
     path = assets.model_dir if version == 0 else run.checkpoints / f"global_step_{version}" / "actor" / "huggingface"
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
     return model.eval()
+
+
+def model_turns(mask: np.ndarray) -> list[list[int]]:
+    """Response positions of each assistant turn, walked token by token: a turn is a run of mask 1."""
+    turns: list[list[int]] = []
+    previous = 0
+    for position, value in enumerate(mask.tolist()):
+        if value == 1:
+            if previous == 0:
+                turns.append([])
+            turns[-1].append(position)
+        previous = value
+    return turns

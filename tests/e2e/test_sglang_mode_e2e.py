@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from harness import (
@@ -22,6 +21,7 @@ from harness import (
     cut_at_checkpoint,
     ledger,
     ledger_accounting,
+    model_turns,
     run_trainer,
 )
 from transformers import AutoTokenizer, GenerationConfig
@@ -125,18 +125,6 @@ def tool_run(demo_tool_assets, tmp_path_factory) -> Run:
     )
     run.assert_ok()
     return run
-
-
-def model_turns(mask: np.ndarray) -> list[list[int]]:
-    turns: list[list[int]] = []
-    previous = 0
-    for position, value in enumerate(mask.tolist()):
-        if value == 1:
-            if previous == 0:
-                turns.append([])
-            turns[-1].append(position)
-        previous = value
-    return turns
 
 
 def test_tool_loop_exact_streams_and_no_turn_runs_past_its_stop(tool_run, demo_tool_assets):

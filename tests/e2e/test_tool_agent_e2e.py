@@ -27,6 +27,7 @@ from harness import (
     cut_at_checkpoint,
     ledger,
     ledger_accounting,
+    model_turns,
     policy_at,
     run_trainer,
 )
@@ -149,19 +150,6 @@ def parked_position(payload: dict) -> str | None:
     if payload["turn_start"] < len(payload["response_ids"]):
         return "mid_turn"
     return "after_tools" if payload["assistant_turns"] > 0 else None
-
-
-def model_turns(mask: np.ndarray) -> list[list[int]]:
-    """Response positions of each assistant turn, walked token by token: a turn is a run of mask 1."""
-    turns: list[list[int]] = []
-    previous = 0
-    for position, value in enumerate(mask.tolist()):
-        if value == 1:
-            if previous == 0:
-                turns.append([])
-            turns[-1].append(position)
-        previous = value
-    return turns
 
 
 def test_partial_tool_loop_trains_multi_turn_with_exact_masks(partial_tool_run):
