@@ -1,10 +1,10 @@
 """Writes docs/configuration.md, the table of every knob of ours, from the config dataclasses' field docstrings.
 
-``python -m verl_partial.config_docs`` rewrites the page; ``--check`` exits 1 when it is out of date
-(tests/unit/test_config_docs.py runs the same comparison). The documentation of a key lives in one place, the
-docstring right under its field (the attribute docstrings of ``PartialConfig``, ``RolloutCorrectionConfig``,
-``BalanceConfig``; ``BackendConfig``'s single field is documented by its class docstring), so a new knob without
-a docstring fails the test instead of going missing from the docs.
+``python -m verl_partial.config_docs``, run from the repository root, rewrites the page; ``--check`` exits 1 when
+it is out of date (tests/unit/test_config_docs.py runs the same comparison). The documentation of a key lives in
+one place, the docstring right under its field (the attribute docstrings of ``PartialConfig``,
+``RolloutCorrectionConfig``, ``BalanceConfig``; ``BackendConfig``'s single field is documented by its class
+docstring), so a new knob without a docstring fails the test instead of going missing from the docs.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from verl_partial.core import balance_config, correction, partial_config
 from verl_partial.core.config_checks import type_text
 from verl_partial.cpu_backend.config import BackendConfig
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+PAGE = Path("docs") / "configuration.md"
+"""Relative to the checkout the command runs in: the page belongs to the repository, not to the installed package
+(under a regular install ``__file__`` is in site-packages, where no docs/ exists)."""
 
 
 @dataclass(frozen=True)
@@ -184,15 +186,17 @@ def render() -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m verl_partial.config_docs", description=__doc__)
     parser.add_argument("--check", action="store_true", help="exit 1 if the page is out of date, write nothing")
+    parser.add_argument("--page", type=Path, default=PAGE, help=f"the page to write or check (default: {PAGE})")
     args = parser.parse_args(argv)
+    page: Path = args.page
     text = render()
     if args.check:
-        current = PAGE.read_text() if PAGE.exists() else ""
+        current = page.read_text() if page.exists() else ""
         if current != text:
-            print(f"{PAGE} is out of date: run python -m verl_partial.config_docs", file=sys.stderr)
+            print(f"{page} is out of date: run python -m verl_partial.config_docs", file=sys.stderr)
             return 1
         return 0
-    PAGE.write_text(text)
+    page.write_text(text)
     return 0
 
 
