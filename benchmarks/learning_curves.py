@@ -15,7 +15,8 @@ alike. The modes:
   ``partial.extra_groups=<--keep-extra-groups>``;
 * ``kimi``: ``+partial=kimi``;
 * ``on_policy``: ``+partial=on_policy``;
-* ``stream``: today's ``+partial=default`` (``staleness_policy=wait``, ``refill=true``, no extra groups).
+* ``stream``: today's ``+partial=default`` (``staleness_policy=wait``, ``refill=true``, no extra groups);
+* ``tail``, ``tail_on_policy``: ``+partial=tail`` / ``+partial=tail_on_policy`` (length-aware windows of 4 steps).
 
 What varies with the seed: ``data.seed`` (verl's shuffle of the training prompts; the same order for every mode at
 one seed, though partial modes draw extra prompts, so their orders drift apart) and the CPU engine's sampling,
@@ -87,7 +88,7 @@ KEPT_METRICS = (
 )
 VAL_PREFIX = "val-core/"
 # The default preset before streaming admission (restart, 4 extra groups); every curve in the docs was run this way.
-MODE_ORDER = ("sync", "restart", "keep", "kimi", "on_policy", "stream")
+MODE_ORDER = ("sync", "restart", "keep", "kimi", "on_policy", "stream", "tail", "tail_on_policy")
 KS_CRITICAL_C = 1.358  # two-sample KS, alpha = 0.05
 
 
@@ -112,6 +113,8 @@ def modes(keep_extra_groups: int) -> dict[str, Mode]:
         "kimi": Mode("kimi", "kimi"),
         "on_policy": Mode("on_policy", "on_policy"),
         "stream": Mode("stream", "default"),
+        "tail": Mode("tail", "tail"),
+        "tail_on_policy": Mode("tail_on_policy", "tail_on_policy"),
     }
 
 
@@ -229,6 +232,14 @@ def step_seconds(run: dict[str, Any]) -> np.ndarray:
     return _series(run, "timing_s/step") - testing
 
 
+def ms_per_trained_token(run: dict[str, Any]) -> float:
+    """Whole-step milliseconds per trained token over steps >= 2: a mode that trains shorter answers in shorter
+    steps is not faster by this measure (issue 20's review of the step-time comparison)."""
+    records = _train_records(run)[1:]
+    tokens = sum(r["response_length/mean"] * len(r.get("trained_lengths", [])) for r in records)
+    return 1e3 * float(np.nansum(step_seconds(run)[1:])) / tokens if tokens else float("nan")
+
+
 def _lengths(runs: list[dict[str, Any]]) -> np.ndarray:
     return np.array([n for run in runs for record in run["steps"] for n in record.get("trained_lengths", [])])
 
@@ -275,6 +286,7 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
             "final_reward": _mean_sd(finals),
             "s_per_step": _mean_sd(seconds),
             "gen_s_per_step": _mean_sd(gen),
+            "ms_per_trained_token": _mean_sd([ms_per_trained_token(run) for run in runs]),
             "total_train_s": _mean_sd([float(np.nansum(step_seconds(run))) for run in runs]),
             "mean_trained_length": float(lengths.mean()) if len(lengths) else float("nan"),
             "trained_samples": len(lengths),
@@ -332,7 +344,8 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
 
 def table(summary: dict[str, Any]) -> str:
     header = (
-        "| mode | final reward (last {w} steps) | final val reward | steps | s/step | gen s/step | resumed fraction | "
+        "| mode | final reward (last {w} steps) | final val reward | steps | s/step | gen s/step | "
+        "whole step ms / trained token | resumed fraction | "
         "staleness mean / max | tokens discarded per run | mean trained length | KS vs sync | max group wait |"
     ).format(w=summary["final_window"])
     lines = [header, "|---|" + "---:|" * (header.count("|") - 2)]
@@ -355,6 +368,7 @@ def table(summary: dict[str, Any]) -> str:
                     str(row["steps"]),
                     pm("s_per_step", 2),
                     pm("gen_s_per_step", 2),
+                    pm("ms_per_trained_token", 2),
                     f"{row['resumed_fraction']:.3f}" if partial else "-",
                     f"{row['staleness_mean']:.2f} / {row['staleness_max']:.0f}" if partial else "-",
                     f"{row['tokens_discarded']:.0f} ({100 * row['discarded_fraction']:.1f} %)" if partial else "-",

@@ -25,7 +25,7 @@ def _pool(schedule: str = "longest_first", estimator: LengthEstimator | None = N
 
 
 def test_estimate_comes_from_finished_siblings_then_prompt_history():
-    estimator = LengthEstimator(identity=lambda group: group.prompt, smoothing=1.0)
+    estimator = LengthEstimator(identity=lambda prompt: prompt, smoothing=1.0)
     pool = _pool(estimator=estimator)
     group = pool.groups[pool.admit("q1", "q1@e0")]
     assert estimator.estimate(group) is None
@@ -38,7 +38,7 @@ def test_estimate_comes_from_finished_siblings_then_prompt_history():
 
 
 def test_history_is_a_running_mean_across_epochs():
-    estimator = LengthEstimator(identity=lambda group: group.prompt, smoothing=0.5)
+    estimator = LengthEstimator(identity=lambda prompt: prompt, smoothing=0.5)
     pool = _pool(estimator=estimator)
     for epoch, length in enumerate((40, 80)):
         group = pool.groups[pool.admit("q", f"q@e{epoch}")]
@@ -49,7 +49,7 @@ def test_history_is_a_running_mean_across_epochs():
 
 
 def test_runnable_starts_unknown_then_longest_expected_first():
-    estimator = LengthEstimator(identity=lambda group: group.prompt)
+    estimator = LengthEstimator(identity=lambda prompt: prompt)
     estimator.history = {"short": 10.0, "long": 90.0}
     pool = _pool(estimator=estimator)
     short, long_, new = (pool.admit(prompt, f"{prompt}@e1") for prompt in ("short", "long", "new"))

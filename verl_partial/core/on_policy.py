@@ -18,18 +18,20 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
+from verl_partial.core.partial_config import PartialConfig
 from verl_partial.core.pool import GroupState, SampleState
 
 
 class LengthEstimator:
     """Expected response length of a sample from its finished siblings or its prompt's earlier samples.
 
-    ``identity`` maps a group to its prompt's identity across epochs (its dataset index, or its prompt token
-    ids as bytes); the group's ``key`` is unique per admission, so it cannot serve.
+    ``identity`` maps a prompt to its identity across epochs (its dataset index), or to None when the data set
+    gives none: such a prompt never has a history, its finished siblings still inform the estimate. A group's
+    ``key`` is unique per admission, so it cannot serve.
     ``smoothing``: weight of the newest epoch in the prompt's running mean (1.0 keeps only the last epoch).
     """
 
-    def __init__(self, identity: Callable[[GroupState[Any]], Hashable], smoothing: float = 0.5) -> None:
+    def __init__(self, identity: Callable[[Any], Hashable | None], smoothing: float = 0.5) -> None:
         if not 0.0 < smoothing <= 1.0:
             raise ValueError(f"smoothing must be in (0, 1], got {smoothing}")
         self.identity = identity
@@ -39,17 +41,25 @@ class LengthEstimator:
     def record(self, groups: Iterable[GroupState[Any]]) -> None:
         """Remember the mean response length of every trained group's prompt (call after each step)."""
         for group in groups:
+            prompt = self.identity(group.prompt)
+            if prompt is None:
+                continue
             mean = sum(len(sample.token_ids) for sample in group.samples) / len(group.samples)
-            prompt = self.identity(group)
             previous = self.history.get(prompt)
             self.history[prompt] = mean if previous is None else (1 - self.smoothing) * previous + self.smoothing * mean
+
+    def prompt_history(self, prompt: Any) -> float | None:
+        """The prompt's running mean length over the epochs it was trained in, or None before its first; what
+        :class:`verl_partial.core.length_batching.LengthBatcher` orders a window by, before any sample starts."""
+        identity = self.identity(prompt)
+        return None if identity is None else self.history.get(identity)
 
     def estimate(self, group: GroupState[Any]) -> float | None:
         """Expected total length of the group's unfinished samples, or None when nothing is known."""
         done = [len(sample.token_ids) for sample in group.samples if sample.finished]
         if done:
             return sum(done) / len(done)
-        return self.history.get(self.identity(group))
+        return self.prompt_history(group.prompt)
 
     def priority(self, group: GroupState[Any], sample: SampleState) -> float:
         """Sort key for :meth:`RolloutPool.runnable` (ascending): longest expected remaining work first.
@@ -61,3 +71,10 @@ class LengthEstimator:
         if expected is None:
             return float("-inf")
         return -max(1.0, expected - len(sample.token_ids))
+
+
+def length_estimator(config: PartialConfig, identity: Callable[[Any], Hashable | None]) -> LengthEstimator | None:
+    """The estimator a run needs: for ``partial.schedule=longest_first``, for ``partial.length_window_steps``, or
+    for both (one history serves both); None when neither is on. Shared by the trainer and the simulator."""
+    needed = config.schedule == "longest_first" or config.length_window_steps > 0
+    return LengthEstimator(identity) if needed else None

@@ -105,6 +105,16 @@ class PartialConfig:
     :mod:`verl_partial.core.on_policy`); it cuts the tail when servers queue requests, the lever the ``on_policy``
     preset (``max_staleness=0``) relies on."""
 
+    length_window_steps: int = 0
+    """Length-aware batch composition (tail batching; RollPacker, Seer): ``K >= 2`` draws ``K x
+    data.train_batch_size`` prompts at a time and admits them longest expected answer first (expected from the
+    prompt's earlier epochs), so the window's long answers start together and share its first steps, and its later
+    steps hold short answers.
+    Every prompt is admitted within about K steps of its window's draw (``partial/window_delay_steps/max``), and each
+    window trains exactly its own prompts. The first epoch has no history and runs in the dataloader's order. Needs
+    a prompt identity across epochs (``extra_info.index``). ``0``: the dataloader's order
+    (:mod:`verl_partial.core.length_batching`)."""
+
     ledger_path: str | None = None
     """Optional JSON-lines audit log of every prompt admitted, trained, dropped or failed, one line per event; makes
     "nothing lost, nothing trained twice" checkable."""
@@ -146,6 +156,12 @@ class PartialConfig:
                 "as +partial=kimi does)",
                 self.step_token_budget,
             )
+        require(
+            self.length_window_steps == 0 or self.length_window_steps >= 2,
+            "partial.length_window_steps",
+            "0 (the dataloader's order) or an integer >= 2 (steps per window)",
+            self.length_window_steps,
+        )
         require(self.max_retries >= 0, "partial.max_retries", "an integer >= 0", self.max_retries)
         require(self.request_timeout_s > 0, "partial.request_timeout_s", "a number > 0", self.request_timeout_s)
         require(self.abort_grace_s > 0, "partial.abort_grace_s", "a number > 0", self.abort_grace_s)
@@ -182,3 +198,7 @@ PRESETS: dict[str, PartialConfig] = {
         _DEFAULT, extra_groups=0, max_staleness=0, staleness_policy="restart", refill=False, schedule="longest_first"
     ),
 }
+# Length-aware batch composition (tail batching) over windows of 4 steps, at either staleness bound: ``default``'s
+# (<= 1) and ``on_policy``'s (0). 4 steps: docs/length-aware-batching.md compares 2, 4 and 8.
+PRESETS["tail"] = dataclasses.replace(PRESETS["default"], length_window_steps=4)
+PRESETS["tail_on_policy"] = dataclasses.replace(PRESETS["on_policy"], length_window_steps=4)

@@ -238,8 +238,9 @@ class RolloutPool(Generic[P]):
                 "RolloutPool(..., priority=verl_partial.core.on_policy.LengthEstimator(...).priority)"
             )
         check_carry_fits(config, batch_groups)
-        # Launch order (``partial.schedule``): a sort key, ascending; None keeps oldest group first.
-        self.priority = priority
+        # Launch order (``partial.schedule``): a sort key, ascending, under ``longest_first``; oldest group first under
+        # ``fifo`` (an estimator may exist for ``length_window_steps`` alone, its priority is then not for launches).
+        self.priority = priority if config.schedule == "longest_first" else None
         self.groups: dict[int, GroupState[P]] = {}
         # Ids of finished groups, kept in step with ``groups`` so that admission (``free_slots``, on every wake of
         # the scheduler) and ``step_done`` do not rescan every sample: at 512 x 16 that rescan was a third of the

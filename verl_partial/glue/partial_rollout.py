@@ -33,7 +33,8 @@ from verl import DataProto
 from verl.experimental.agent_loop.agent_loop import AgentLoopManager
 
 from verl_partial import verl_patches
-from verl_partial.core.on_policy import LengthEstimator
+from verl_partial.core.length_batching import LengthBatcher
+from verl_partial.core.on_policy import length_estimator
 from verl_partial.core.partial_config import STATE_FILE, PartialConfig
 from verl_partial.core.pool import GroupState, RolloutPool, SampleState
 from verl_partial.core.scheduler import StepResult, run_step
@@ -79,13 +80,6 @@ def prompt_identity(row: Row) -> Any:
     if isinstance(extra, dict) and "index" in extra:
         return extra["index"]
     return row.get("index")
-
-
-def _group_prompt_identity(group: GroupState[Row]) -> Any:
-    """A prompt's identity across epochs for the length estimator; a dataset without an index falls back to the
-    group's admission key (no history then, finished siblings still inform the estimate)."""
-    identity = prompt_identity(group.prompt)
-    return group.key if identity is None else identity
 
 
 # ---------------------------------------------------------------------------------------------- source
@@ -257,21 +251,36 @@ class PartialRolloutLoader:
         self.config = config
         self.loader = trainer.train_dataloader
         rollout = trainer.config.actor_rollout_ref.rollout
-        # partial.schedule=longest_first: expected lengths from finished siblings and the prompt's earlier epochs.
-        # The estimator's history is scheduling advice only, so it is not checkpointed (a resume re-learns it).
-        self.length_estimator = LengthEstimator(_group_prompt_identity) if config.schedule == "longest_first" else None
+        batch_groups = trainer.config.data.train_batch_size
+        # partial.schedule=longest_first and partial.length_window_steps: expected lengths from finished siblings and
+        # the prompt's earlier epochs (checkpointed: the batches a resumed run composes depend on it).
+        self.length_estimator = length_estimator(config, prompt_identity)
         self.pool: RolloutPool[Row] = RolloutPool(
             config,
             group_size=rollout.n,
-            batch_groups=trainer.config.data.train_batch_size,
+            batch_groups=batch_groups,
             response_length=rollout.response_length,
             priority=None if self.length_estimator is None else self.length_estimator.priority,
         )
         self.stream = PromptStream(self.loader, trainer.config.trainer.total_epochs)
+        self.batcher = self.length_estimator and LengthBatcher.for_config(
+            config, self.stream, batch_groups, self._expected_length
+        )
         self.steps_in_epoch = 0
 
     def __len__(self) -> int:
         return len(self.loader)
+
+    def _expected_length(self, row: Row) -> float | None:
+        """A prompt's expected length for ``partial.length_window_steps``; refuses a data set whose rows carry no
+        identity across epochs, which would make the window silently keep the dataloader's order."""
+        if prompt_identity(row) is None:
+            raise ValueError(
+                "partial.length_window_steps needs each prompt's identity across epochs (extra_info.index or index "
+                "in the data set's rows), found none; add it to the data or set partial.length_window_steps=0"
+            )
+        assert self.length_estimator is not None
+        return self.length_estimator.prompt_history(row)
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         if self.steps_in_epoch >= len(self.loader):
@@ -292,16 +301,22 @@ class PartialRolloutLoader:
         step = trainer.global_steps
         backend = manager.segment_backend(trainer.llm_server_manager)
         backend.begin_step(self.pool)
+        if self.batcher is not None:
+            self.batcher.begin_step(step)
         # Generation for step t runs on the weights synced after step t-1 (verl: update_weights(global_steps)).
         result = asyncio.run(
-            run_step(self.pool, backend, self.stream, step=step, version=step - 1, server_version=step - 1)
+            run_step(
+                self.pool, backend, self.batcher or self.stream, step=step, version=step - 1, server_version=step - 1
+            )
         )
         if self.length_estimator is not None:
             self.length_estimator.record(result.trained)
         extra: dict[str, float] = {}
+        if self.batcher is not None:
+            extra["partial/window_delay_steps/max"] = float(max(self.batcher.delays, default=0))
         if step >= trainer.total_training_steps:
             # Prompts already drawn from verl's dataloader but not yet admitted are as untrained as in-flight groups.
-            held_back = len(self.stream.pending)
+            held_back = len(self.stream.pending) + (0 if self.batcher is None else len(self.batcher.pending))
             extra["partial/untrained_groups_at_end"] = float(len(self.pool.groups) + held_back)
             logger.warning(
                 "training ends with %d partial-rollout groups in flight and %d drawn prompts not started, untrained",
@@ -370,6 +385,8 @@ class PartialRolloutLoader:
             "pool": self.pool.state_dict(),
             "stream": self.stream.state_dict(),
             "steps_in_epoch": self.steps_in_epoch,
+            "window": None if self.batcher is None else self.batcher.state_dict(),
+            "length_history": None if self.length_estimator is None else dict(self.length_estimator.history),
         }
         path = os.path.join(folder, STATE_FILE)
         torch.save(state, path + ".tmp")
@@ -383,4 +400,15 @@ class PartialRolloutLoader:
         self.pool.load_state_dict(state["pool"])
         self.stream.load_state_dict(state["stream"])
         self.steps_in_epoch = state["steps_in_epoch"]
+        window = state.get("window")
+        if window is not None and window["pending"] and self.batcher is None:
+            raise ValueError(
+                f"partial.length_window_steps: the checkpoint in {folder} holds {len(window['pending'])} drawn prompts "
+                "of a length window that this run would never admit; resume with the length_window_steps it was "
+                "saved with (>= 2)"
+            )
+        if self.batcher is not None and window is not None:
+            self.batcher.load_state_dict(window)
+        if self.length_estimator is not None and state.get("length_history"):
+            self.length_estimator.history.update(state["length_history"])
         return True

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from verl_partial.core.on_policy import LengthEstimator
+from verl_partial.core.length_batching import LengthBatcher
+from verl_partial.core.on_policy import length_estimator
 from verl_partial.core.partial_config import PRESETS, PartialConfig
 from verl_partial.core.pool import RolloutPool
 from verl_partial.core.scheduler import run_step
@@ -97,12 +98,13 @@ def simulate(
 ) -> ModeRun:
     """``steps`` rollout phases of ``config`` on ``servers`` simulated servers, in virtual time.
 
-    ``partial.schedule=longest_first`` orders launches with a :class:`LengthEstimator` over the prompts' history
-    (prompt identity = its index in the workload's data set) and their finished siblings. ``pool_type`` and
+    ``partial.schedule=longest_first`` orders launches, and ``partial.length_window_steps`` composes batches, with a
+    :class:`~verl_partial.core.on_policy.LengthEstimator` over the prompts' history (prompt identity = its index in
+    the workload's data set) and their finished siblings. ``pool_type`` and
     ``source_type`` let an experiment try a scheduling variant before it becomes a knob
     (benchmarks/sim_tail_levers.py).
     """
-    estimator = LengthEstimator(identity=lambda group: group.prompt) if config.schedule == "longest_first" else None
+    estimator = length_estimator(config, identity=lambda prompt: prompt)
 
     async def main() -> ModeRun:
         pool = pool_type(
@@ -114,10 +116,13 @@ def simulate(
         )
         backend = SimBackend(spec, servers, workload)
         source = source_type(workload)
+        batcher = estimator and LengthBatcher.for_config(config, source, workload.batch, estimator.prompt_history)
         record = ModeRun()
         for step in range(steps):
             source.step = step
-            result = await run_step(pool, backend, source, step=step, version=step, server_version=step)
+            if batcher is not None:
+                batcher.begin_step(step)
+            result = await run_step(pool, backend, batcher or source, step=step, version=step, server_version=step)
             backend.update_weights(step + 1)
             if estimator is not None:
                 estimator.record(result.trained)
