@@ -11,7 +11,9 @@ so the estimates exist; the pool starts empty) then ``--steps`` measured steps, 
 length-bias goal is stated over.
 
 Per row, all per trained token: the speed-up over sync (trained tokens per second of the rollout phase, ratio), its
-spread over the 8-step windows (min-max), the longest-phase / shortest-phase seconds; the windowed KS distance of
+spread over the 8-step windows (min-max), the longest-phase / shortest-phase seconds; two bounds: the highest
+speed-up of any scheduler training this run's batches at its staleness (a step-time ratio, ``sim.run.ceiling``) and
+of any schedule at all generating the same tokens (``work_bound``); the windowed KS distance of
 trained lengths against sync's over the same 8 steps (the largest over the windows), the KS against the unbiased
 length distribution over the whole run; the longest delay of a prompt from its draw to its training (steps); the
 largest staleness; the share of generated tokens thrown away. A window ablation (K = 2, 4, 8) runs at 7B, p99/p50 8.
@@ -31,7 +33,9 @@ import numpy as np
 
 from benchmarks.bench_peer import write_block
 from benchmarks.sim_gpu_projection import SETUPS
-from verl_partial.sim.run import ModeRun, mode_configs, simulate
+from verl_partial.sim.bound import StepCostFloor, work_floor
+from verl_partial.sim.engine import ServerSpec
+from verl_partial.sim.run import ModeRun, ceiling, mode_configs, simulate
 from verl_partial.sim.stats import ks_distance
 from verl_partial.sim.workload import Workload
 
@@ -46,7 +50,19 @@ def _rate(run: ModeRun, steps: slice = slice(None)) -> float:
     return float(np.sum(run.tokens_trained[steps]) / np.sum(run.seconds[steps]))
 
 
-def row(run: ModeRun, sync: ModeRun, load: Workload) -> dict[str, Any]:
+def work_bound(run: ModeRun, sync: ModeRun, load: Workload, spec: ServerSpec, servers: int) -> float:
+    """The highest speed-up per trained token over sync that ANY colocated schedule could reach generating the tokens
+    ``run`` trained, whatever its batch composition and staleness: their decode work spread evenly over the servers
+    (:func:`~verl_partial.sim.bound.work_floor`, prefill left out, the one-token-per-step term made negligible by a
+    staleness as long as the run), against sync's measured rate."""
+    floor = max(
+        work_floor(run.trained_lengths, load.prompt_len, cost, servers, len(run.seconds))
+        for cost in StepCostFloor.of_server(spec)
+    )
+    return float(np.mean(run.tokens_trained) / floor / _rate(sync))
+
+
+def row(run: ModeRun, sync: ModeRun, load: Workload, spec: ServerSpec, servers: int) -> dict[str, Any]:
     """One table row; ``run`` and ``sync`` cover the same measured steps."""
     windows = [slice(start, start + WINDOW) for start in range(0, len(run.seconds) - WINDOW + 1, WINDOW)]
     per_window = [_rate(run, w) / _rate(sync, w) for w in windows]
@@ -62,6 +78,10 @@ def row(run: ModeRun, sync: ModeRun, load: Workload) -> dict[str, Any]:
         "ks_window_max": max(ks_windows),
         "ks_vs_unbiased": ks_distance(run.lengths, load.reference_lengths()),
         "max_delay_steps": float(run.waits.max()),
+        # Bounds: for the batches this run trained at its staleness (step time, sim/run.py's ceiling), and for any
+        # schedule of the same tokens (work).
+        "bound_its_batches": ceiling(sync, run, load, spec, servers),
+        "work_bound_per_token": work_bound(run, sync, load, spec, servers),
         "staleness_max": float(np.max(run.staleness_max)),
         "discarded_fraction": float(np.sum(run.tokens_discarded) / max(1.0, np.sum(run.tokens_generated))),
     }
@@ -84,7 +104,7 @@ def measure(steps: int) -> list[dict[str, Any]]:
                 ]
             for name, config in variants:
                 run = simulate(config, load, spec, servers, WARMUP + steps).steady(WARMUP)
-                rows.append({"model": size, "tail": tail, "mode": name, **row(run, sync, load)})
+                rows.append({"model": size, "tail": tail, "mode": name, **row(run, sync, load, spec, servers)})
                 print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -92,14 +112,16 @@ def measure(steps: int) -> list[dict[str, Any]]:
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| model | p99/p50 | mode | speed-up per trained token | over 8-step windows | shortest / longest phase s | "
-        "KS vs sync, worst 8-step window | KS vs unbiased | longest delay (steps) | staleness max | thrown away |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "bound for its batches | work bound, any schedule | KS vs sync, worst 8-step window | KS vs unbiased | "
+        "longest delay (steps) | staleness max | thrown away |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r['model']} | {r['tail']:.0f} | {r['mode']} | {r['speedup_per_token']:.2f}x | "
             f"{r['speedup_window_min']:.2f}-{r['speedup_window_max']:.2f}x | "
-            f"{r['phase_s_min']:.0f} / {r['phase_s_max']:.0f} | {r['ks_window_max']:.3f} | {r['ks_vs_unbiased']:.3f} | "
+            f"{r['phase_s_min']:.0f} / {r['phase_s_max']:.0f} | {r['bound_its_batches']:.2f}x | "
+            f"{r['work_bound_per_token']:.2f}x | {r['ks_window_max']:.3f} | {r['ks_vs_unbiased']:.3f} | "
             f"{r['max_delay_steps']:.0f} | {r['staleness_max']:.0f} | {r['discarded_fraction']:.1%} |"
         )
     return "\n".join(lines)
