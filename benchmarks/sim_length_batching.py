@@ -87,8 +87,8 @@ def row(run: ModeRun, sync: ModeRun, load: Workload, spec: ServerSpec, servers: 
     }
 
 
-def measure(steps: int) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
+def measure(steps: int, report: dict[str, Any], json_path: Path | None) -> None:
+    """Appends rows to ``report["rows"]``, rewriting ``json_path`` after each, so a long run can be read early."""
     for size, (spec, servers) in SETUPS.items():
         for tail in (8.0, 20.0):
             load = Workload(batch=128, n=16, p50=1024, p99_over_p50=tail, response_length=32768, prompts=512)
@@ -104,9 +104,11 @@ def measure(steps: int) -> list[dict[str, Any]]:
                 ]
             for name, config in variants:
                 run = simulate(config, load, spec, servers, WARMUP + steps).steady(WARMUP)
-                rows.append({"model": size, "tail": tail, "mode": name, **row(run, sync, load, spec, servers)})
-                print(json.dumps(rows[-1]), flush=True)
-    return rows
+                figures = row(run, sync, load, spec, servers)
+                report["rows"].append({"model": size, "tail": tail, "mode": name, **figures})
+                print(json.dumps(report["rows"][-1]), flush=True)
+                if json_path:
+                    json_path.write_text(json.dumps(report, indent=1) + "\n")
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -140,13 +142,9 @@ def main() -> None:
         report = json.loads(args.from_json.read_text())
     else:
         started = time.process_time()
-        report = {
-            "date": _dt.date.today().isoformat(),
-            "steps": args.steps,
-            "warmup": WARMUP,
-            "rows": measure(args.steps),
-            "cpu_seconds": time.process_time() - started,
-        }
+        report = {"date": _dt.date.today().isoformat(), "steps": args.steps, "warmup": WARMUP, "rows": []}
+        measure(args.steps, report, args.json)
+        report["cpu_seconds"] = time.process_time() - started
         if args.json:
             args.json.write_text(json.dumps(report, indent=1) + "\n")
     text = (
