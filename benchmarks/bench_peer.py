@@ -101,6 +101,15 @@ MODES: dict[str, PeerMode] = {
     for mode in (
         PeerMode("v0_sync", "v0 sync (RayPPOTrainer)", "v0"),
         PeerMode("default", "ours `+partial=default`", "v0", "default"),
+        # As many requests in flight as v1's one-batch-ahead (2 x train_batch_size groups) at the same bound: refill
+        # off (wait + refill refuses extra groups), a whole batch of extra groups admitted at each step start.
+        PeerMode(
+            "default_extra",
+            "ours `+partial=default`, refill off, a batch of extra groups",
+            "v0",
+            "default",
+            overrides=("partial.refill=false", f"partial.extra_groups={Workload().prompts}"),
+        ),
         PeerMode("on_policy", "ours `+partial=on_policy`", "v0", "on_policy"),
         PeerMode("kimi", "ours `+partial=kimi`", "v0", "kimi"),
         PeerMode("restart", "ours `+partial=restart`", "v0", "restart"),
