@@ -287,6 +287,7 @@ class RunFigures:
     discarded: str  # tokens thrown away per step (ours), or groups evicted (v1, tokens not logged)
     reward: float
     peak_rss_gib: float
+    round: int = 0  # speed-ups pair runs of the same round only
 
     @property
     def gen_ms_per_token(self) -> float:
@@ -342,6 +343,7 @@ def figures(run: dict[str, Any], wl: Workload) -> RunFigures | None:
         discarded=discarded,
         reward=_mean(steps, "critic/score/mean"),
         peak_rss_gib=run["peak_rss_bytes"] / 2**30,
+        round=int(run.get("round", 0)),
     )
 
 
@@ -354,10 +356,17 @@ def spread(values: list[float], digits: int = 2) -> str:
     return f"{statistics.fmean(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
+def same_round(base: list[RunFigures], other: list[RunFigures]) -> list[tuple[RunFigures, RunFigures]]:
+    """Runs of the two modes that ran in the same round (they shared the machine's state); a round that one mode
+    missed pairs nothing."""
+    by_round = {run.round: run for run in base}
+    return [(by_round[run.round], run) for run in other if run.round in by_round]
+
+
 def speedup(base: list[RunFigures], other: list[RunFigures]) -> str:
-    """Whole-step time per trained token of ``base`` over ``other``'s, round by round (runs of the same round
-    shared the machine's state), as mean (range); '-' when either side has no successful run."""
-    pairs = [b.step_ms_per_token / o.step_ms_per_token for b, o in zip(base, other, strict=False)]
+    """Whole-step time per trained token of ``base`` over ``other``'s, round by round, as mean (range); '-' when
+    no round has a successful run of both."""
+    pairs = [b.step_ms_per_token / o.step_ms_per_token for b, o in same_round(base, other)]
     return spread(pairs) + "x" if pairs else "-"
 
 
@@ -423,8 +432,12 @@ def goals(results: dict[str, Any], ours: str = "default") -> str:
         if ours not in runs or against not in runs:
             lines.append(f"- against {label}: not measured (no successful run of both).")
             continue
-        pairs = [b.step_ms_per_token / o.step_ms_per_token for b, o in zip(runs[against], runs[ours], strict=False)]
-        rollout = [b.gen_ms_per_token / o.gen_ms_per_token for b, o in zip(runs[against], runs[ours], strict=False)]
+        matched = same_round(runs[against], runs[ours])
+        if not matched:
+            lines.append(f"- against {label}: not measured (no round with a successful run of both).")
+            continue
+        pairs = [b.step_ms_per_token / o.step_ms_per_token for b, o in matched]
+        rollout = [b.gen_ms_per_token / o.gen_ms_per_token for b, o in matched]
         lines.append(
             f"- {MODES[ours].label} against {label}{'' if goal is None else f' (goal >= {goal}x)'}: whole step per "
             f"trained token {spread(pairs)}x, rollout phase per trained token {spread(rollout)}x over {len(pairs)} "
@@ -490,7 +503,7 @@ def measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         "rounds": args.rounds,
         "runs": [],
     }
-    for round_ in range(args.rounds):
+    for round_ in range(args.first_round, args.first_round + args.rounds):
         for mode in modes:
             run = run_mode(mode, paths, wl, args.work_dir / "runs" / f"r{round_}-{mode.name}")
             results["runs"].append({**run, "round": round_})
@@ -506,6 +519,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, of {list(MODES)}")
     parser.add_argument("--steps", type=int, default=6, help="trainer steps per run (steps >= 2 are measured)")
     parser.add_argument("--rounds", type=int, default=3, help="times every mode runs, interleaved")
+    parser.add_argument(
+        "--first-round", type=int, default=0, help="number of the first round (add rounds to stored results)"
+    )
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/verl_partial_bench_peer"))
     parser.add_argument("--json", type=Path, help="write the results here (rewritten after every run)")
     parser.add_argument("--from-json", type=Path, nargs="+", help="render stored results (runs merged), run nothing")
@@ -514,7 +530,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.from_json:
         stored = [json.loads(path.read_text()) for path in args.from_json]
         results = {**stored[0], "runs": [run for part in stored for run in part["runs"]]}
-        results["rounds"] = max(part["rounds"] for part in stored)
+        results["rounds"] = len({run.get("round", 0) for run in results["runs"]})
     else:
         unknown = sorted(set(args.modes.split(",")) - set(MODES))
         if unknown:

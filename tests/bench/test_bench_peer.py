@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -96,3 +97,18 @@ def test_hooks_name_the_importable_module(peer: ModuleType) -> None:
     ``__main__``, which they cannot import."""
     assert peer.MODULE == peer.__name__
     assert f"custom_sampler.path=pkg://{peer.MODULE}" in " ".join(peer.MODES["v1_async_bound_fastpoll"].overrides)
+
+
+def test_speed_ups_pair_only_runs_of_the_same_round(peer: ModuleType) -> None:
+    """A mode run in round 1 only is compared with round 1's sync, not with round 0's (merged results)."""
+    wl = peer.Workload(steps=3)
+    results = {
+        "workload": dataclasses.asdict(wl),
+        "runs": [
+            _run("v0_sync", 2.0, 4.0, 50.0, round_=0),
+            _run("v0_sync", 2.0, 8.0, 50.0, round_=1),
+            _run("default", 2.0, 4.0, 50.0, round_=1),
+        ],
+    }
+    measured = peer.by_mode(results)
+    assert peer.speedup(measured["v0_sync"], measured["default"]) == "2.00x"
