@@ -94,9 +94,7 @@ def test_whole_groups_trained_once_within_the_delay_bound(straight: Run) -> None
 
 def test_resume_mid_window_loses_and_duplicates_nothing(straight: Run, demo_assets, tmp_path) -> None:
     def window_left(step: int) -> int:
-        state = torch.load(
-            straight.output_dir / "checkpoints" / f"global_step_{step}" / STATE_FILE, weights_only=False
-        )
+        state = torch.load(straight.output_dir / "checkpoints" / f"global_step_{step}" / STATE_FILE, weights_only=False)
         return len(state["window"]["pending"])
 
     cut = next((step for step in range(2, STEPS) if window_left(step)), None)

@@ -14,8 +14,9 @@ vLLM 0.24 behind verl's ``vLLMHttpServer`` (``verl/workers/rollout/vllm_rollout/
     ``reject_request``, else parks them), then waits up to ``_GATE_BARRIER_TIMEOUT_S`` (60 s) while ``_admitting >
     0`` -- ``_admitting`` falls at a request's first output or when its generator ends, so QUEUED requests hold
     the barrier while running ones keep decoding -- then ``pause_generation`` aborts everything: running requests
-    return all their tokens, queued ones none; the engine stays paused until ``resume_generation``. A resume that
-    arrives while the barrier still waits is overtaken by the pause and leaves the engine paused (a violation);
+    return all their tokens, queued ones none; the engine stays paused until ``resume_generation``. The pause
+    reaches the engine ``pause_delay_s`` after the barrier (the engine's own latency: aborting and draining in-flight
+    requests under load); the abort returns only then;
   * ``abort_request(request_id)``: a request the engine holds (queued or running) ends "aborted" with its tokens
     so far (none if queued); anything else answers "not found" and is unaffected;
   * a Ray-cancelled call: ``AsyncLLM.generate`` aborts the request on ``CancelledError``; the client gets nothing.
@@ -33,6 +34,11 @@ SGLang 0.5.12 behind verl's ``SGLangHttpServer`` (``sglang/srt/managers/schedule
     slot until it finishes or an abort reaches it; cancelled at the pause gate it leaks its state. Our server fix
     (``cancel_aborts=True``) sends ``abort_request(rid)`` first, as vLLM does;
   * new tokens are capped at ``max_model_len - prompt - 1``: at the cap, "length" with 0 tokens.
+
+On both, a resume that lands while the server's abort has not returned is undone by the pause that ends the abort
+and leaves the engine paused: the double records it (a violation). ``resume`` chains the resume on the server's
+abort as the glue does (``WorkerSegmentBackend``), and a call launched to a server whose gate is closed or whose
+engine is paused (resumed too late) is a violation too.
 
 Calls can fail, hang (no tokens until aborted), be slow, and servers can die (answer nothing, not even aborts).
 """
@@ -122,24 +128,30 @@ class SimServer:
     rejecting: bool = False
     paused: bool = False
     admitting: int = 0  # vLLM ``_admitting``
-    barrier_waiting: bool = False  # a vLLM abort_all is inside its barrier
-    resumed_in_barrier: bool = False
+    pause_delay_s: float = 0.0  # from the end of the barrier (SGLang: the abort call) to the pause landing
+    aborting: bool = False  # an abort is under way (it has not returned)
+    resumed_while_aborting: bool = False
     waiting: deque[SimCall] = field(default_factory=deque)
     running: set[SimCall] = field(default_factory=set)
-    changed: asyncio.Event | None = None  # set on every change of gate, pause, queue or admissions
+    # Who waits for the next change of gate, pause, queue or admissions (each registered before it yields).
+    watchers: list[asyncio.Future[None]] = field(default_factory=list)
 
     def dead(self, now: float) -> bool:
         return now >= self.dies_at
 
     def poke(self) -> None:
-        if self.changed is not None:
-            self.changed.set()
+        watchers, self.watchers = self.watchers, []
+        for watcher in watchers:
+            if not watcher.done():
+                watcher.set_result(None)
 
-    async def next_change(self) -> None:
-        if self.changed is None:
-            self.changed = asyncio.Event()
-        self.changed.clear()
-        await self.changed.wait()
+    def next_change(self) -> asyncio.Future[None]:
+        """A future done at the next :meth:`poke`, registered at once: a change between a caller's check and its
+        wait is never missed (a shared event cleared by each waiter, as before, lost such wake-ups, so vLLM's
+        barrier, which verl polls every 10 ms, could hold for its full 60 s in the double)."""
+        watcher = asyncio.get_running_loop().create_future()
+        self.watchers.append(watcher)
+        return watcher
 
 
 @dataclass(eq=False)
@@ -162,7 +174,8 @@ class SimCall:
 
 @dataclass
 class SimEngine:
-    """Implements ``SegmentBackend``: launch / take_back / cancel / abort_all / resume over :class:`SimServer` s."""
+    """Implements ``SegmentBackend``: launch / take_back / cancel / abort / resume (per server) / reopening over
+    :class:`SimServer` s."""
 
     seed: int
     response_length: int
@@ -171,7 +184,7 @@ class SimEngine:
     hang_rate: float = 0.0  # a call is stuck at its server without tokens until aborted
     slow_rate: float = 0.0  # a call decodes 20x slower than its server
     max_transit: float = 0.0  # client -> server delay, uniform in [0, max_transit]
-    reject_request: bool = True  # abort_all rejects late arrivals (vLLM reject_request=True; our SGLang fix)
+    reject_request: bool = True  # abort rejects late arrivals (vLLM reject_request=True; our SGLang fix)
     cancel_raises: bool = False  # a cancelled call's future fails (else: resolves ABORTED with no tokens)
     version: int = 0
     calls: dict[str, SimCall] = field(default_factory=dict)
@@ -189,6 +202,7 @@ class SimEngine:
     tricky: Counter[str] = field(default_factory=Counter)
     never: asyncio.Future[None] | None = None
     open: Counter[str] = field(default_factory=Counter)
+    reopened: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # per server: its last (chained) resume
 
     @property
     def servers(self) -> list[str]:
@@ -240,6 +254,8 @@ class SimEngine:
             call.task = loop.create_task(self._serve(call))
             futures.append(call.future)
             name = request.server
+            if self.server(name).gate_closed or self.server(name).paused:
+                self.violations.append(f"{request.request_id} launched to {name} before its resume")
             self.open[name] += 1
             call.future.add_done_callback(lambda _, name=name: self.open.subtract([name]))
             self.max_outstanding[name] = max(self.max_outstanding.get(name, 0), self.outstanding(name))
@@ -301,55 +317,66 @@ class SimEngine:
         if dead:
             await self._hang()
 
-    async def abort_all(self) -> None:
-        await asyncio.gather(*[self._abort_server(server) for server in self.servers_])
-
-    async def _abort_server(self, server: SimServer) -> None:
-        if server.dead(self.now()):
-            await self._hang()  # the control call hangs like the server
+    async def abort(self, name: str) -> None:
+        """verl's ``abort_all_requests(reject_request=True)`` on one server; returns once its engine is paused."""
+        server = self.server(name)
+        await self._alive(server)  # the control call hangs like the server
+        server.aborting, server.resumed_while_aborting = True, False
         server.gate_closed, server.rejecting = True, self.reject_request
         if server.engine == "vllm":
             await self._vllm_barrier(server)
         else:
             server.gate_closed = self.reject_request  # our fix's gate; SGLang's own pause ignores reject_request
+        if server.pause_delay_s:
+            await asyncio.sleep(server.pause_delay_s)
+            await self._alive(server)
         # pause_generation: everything the engine holds is aborted; it stays paused until resume.
         for call in [*server.waiting, *server.running]:
             self._abort(server, call)
-        server.paused = True
+        server.paused, server.aborting = True, False
+        if server.resumed_while_aborting:
+            self.violations.append(
+                f"a resume overtook the abort on {name} (returned at t={self.now():.3f}): the pause landed after it "
+                "and left the engine paused"
+            )
         server.poke()
 
     async def _vllm_barrier(self, server: SimServer) -> None:
         """``abort_all_requests``: wait (<= 60 s) while admitted requests have no first output."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + GATE_BARRIER_TIMEOUT_S
-        server.barrier_waiting, server.resumed_in_barrier = True, False
-        try:
-            while server.admitting > 0 and loop.time() < deadline:
-                try:
-                    await asyncio.wait_for(server.next_change(), deadline - loop.time())
-                except asyncio.TimeoutError:
-                    break
-                if server.dead(loop.time()):
-                    await self._hang()
-        finally:
-            server.barrier_waiting = False
-        if server.resumed_in_barrier:
-            self.violations.append(
-                f"resume overtook abort_all on {server.name} at t={loop.time():.3f}: the pause landed after it "
-                "and left the engine paused"
-            )
+        while server.admitting > 0 and loop.time() < deadline:
+            try:
+                await asyncio.wait_for(server.next_change(), deadline - loop.time())
+            except asyncio.TimeoutError:
+                break
+            await self._alive(server)
 
-    async def resume(self) -> None:
-        for server in self.servers_:
-            if server.dead(self.now()):
-                continue
-            if server.barrier_waiting:
-                server.resumed_in_barrier = True
-                server.gate_closed, server.rejecting = False, False  # the gate opens, the engine pauses later
-            else:
-                server.gate_closed, server.rejecting, server.paused = False, False, False
-            server.poke()
-            self._schedule(server)
+    async def resume(self, name: str) -> None:
+        """verl's ``resume_generation``, chained on the server's abort as the glue chains it: it lands only once that
+        abort returned, and the chain outlives the caller (the scheduler stops waiting after its grace)."""
+        task = self.reopened[name] = asyncio.ensure_future(self._resume_after_abort(self.server(name)))
+        await asyncio.shield(task)
+
+    def reopening(self) -> dict[str, asyncio.Task[None]]:
+        return {name: task for name, task in self.reopened.items() if not task.done()}
+
+    async def _resume_after_abort(self, server: SimServer) -> None:
+        while server.aborting:
+            await server.next_change()
+        await self._alive(server)  # a dead server never answers it: it stays closed
+        self.land_resume(server)
+
+    def land_resume(self, server: SimServer) -> None:
+        """The resume reaching ``server``: while its abort has not returned, it opens the gate and the pause that ends
+        the abort lands after it (recorded when the abort returns)."""
+        if server.aborting:
+            server.resumed_while_aborting = True
+            server.gate_closed, server.rejecting = False, False
+        else:
+            server.gate_closed, server.rejecting, server.paused = False, False, False
+        server.poke()
+        self._schedule(server)
 
     # ------------------------------------------------------------ the engine
     def _abort(self, server: SimServer, call: SimCall) -> None:

@@ -333,6 +333,8 @@ class CpuServersBackend:
         self.eos_ids = servers[0].engine.eos_token_ids
         self.group_of: dict[str, str] = {}
         self.cancelled: list[str] = []  # group keys of the calls dropped
+        self.aborts: dict[str, asyncio.Task] = {}
+        self.resumes: dict[str, asyncio.Task] = {}
 
     @property
     def servers(self) -> list[str]:
@@ -372,11 +374,21 @@ class CpuServersBackend:
             self.cancelled.append(self.group_of[request.request_id])
             self.tasks[request.request_id].cancel()
 
-    async def abort_all(self) -> None:
-        await asyncio.gather(*[server.abort_all_requests(reject_request=True) for server in self.by_name.values()])
+    async def abort(self, server: str) -> None:
+        self.aborts[server] = asyncio.ensure_future(self.by_name[server].abort_all_requests(reject_request=True))
+        await asyncio.shield(self.aborts[server])
 
-    async def resume(self) -> None:
-        await asyncio.gather(*[server.resume_generation() for server in self.by_name.values()])
+    async def resume(self, server: str) -> None:
+        """Chained on the server's abort, as the glue chains it."""
+        self.resumes[server] = asyncio.ensure_future(self._resume_after_abort(server))
+        await asyncio.shield(self.resumes[server])
+
+    async def _resume_after_abort(self, server: str) -> None:
+        await asyncio.wait([self.aborts.pop(server)])
+        await self.by_name[server].resume_generation()
+
+    def reopening(self) -> dict[str, asyncio.Task]:
+        return {server: task for server, task in self.resumes.items() if not task.done()}
 
 
 def test_step_end_with_calls_queued_and_in_transit_takes_them_back_without_cancelling(demo_assets):

@@ -73,3 +73,28 @@ def test_backend_take_back_returns_tokens_and_cancel_returns_nothing():
     taken, cancelled = run_virtual(main())
     assert taken.finish is Finish.ABORTED and len(taken.new_ids) > 0
     assert cancelled.finish is Finish.ABORTED and len(cancelled.new_ids) == 0
+
+
+def test_backend_resume_lands_only_once_its_servers_abort_returned():
+    """The GPU simulator's backend chains each server's resume on that server's abort (issue 19, residual 2): while
+    the abort waits at vLLM's barrier the server stays closed (``reopening``), and it reopens right after."""
+    workload = Workload(batch=1, n=2, p50=20_000, p99_over_p50=1.5, response_length=30_000, prompt_len=100)
+
+    async def main():
+        backend = SimBackend(ONE_SEQ, 1, workload)
+        pool: RolloutPool[int] = RolloutPool(PartialConfig(), group_size=2, batch_groups=1, response_length=30_000)
+        pool.begin_step(1, 0)
+        pool.admit(0, "p0")
+        requests = [pool.start(ref, "sim0") for ref in pool.runnable()]
+        futures = backend.launch([(pool.groups[0], request) for request in requests])
+        await asyncio.sleep(1.0)
+        abort = asyncio.ensure_future(backend.abort("sim0"))
+        resume = asyncio.ensure_future(backend.resume("sim0"))
+        await asyncio.sleep(5.0)  # the queued request holds the barrier
+        closed = set(backend.reopening()) == {"sim0"} and not backend.engines["sim0"].gate_open
+        await backend.take_back([requests[1]])
+        await asyncio.gather(abort, resume, *futures)
+        return closed, backend.reopening(), backend.engines["sim0"].gate_open
+
+    closed, reopening, gate_open = run_virtual(main())
+    assert closed and reopening == {} and gate_open

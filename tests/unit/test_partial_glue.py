@@ -50,8 +50,13 @@ def test_each_engine_closes_its_gates_rejecting_late_arrivals(engine, controlled
     SGLang takes control calls on a replica's first server only (verl's SGLangReplica), vLLM and ours on each."""
     adapter = engine_adapter(engine)
     replicas = [Replica(2), Replica(2)]
-    asyncio.run(adapter.abort_all(replicas))
-    asyncio.run(adapter.resume(replicas))
+
+    async def abort_then_resume() -> None:
+        for replica in replicas:
+            await asyncio.gather(*adapter.abort_calls(replica))
+            await asyncio.gather(*adapter.resume_calls(replica))
+
+    asyncio.run(abort_then_resume())
     expected = [("abort_all_requests", (), {"reject_request": True}), ("resume_generation", (), {})]
     for replica in replicas:
         assert [server.calls for server in replica.servers] == [expected] * controlled + [[]] * (2 - controlled)

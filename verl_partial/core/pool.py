@@ -194,6 +194,8 @@ class Counters:
     stalled_calls: int = 0
     taken_back_calls: int = 0
     cancelled_calls: int = 0
+    # A cancelled call returns nothing, so the tokens it generated are unknown: at most its max_new_tokens each.
+    cancelled_tokens_max: int = 0
     abandoned_calls: int = 0
     control_timeouts: int = 0
     budget_rounds: int = 0
@@ -472,10 +474,27 @@ class RolloutPool(Generic[P]):
         return [self.groups[group_id] for group_id in sorted(self._finished)]
 
     def step_done(self) -> bool:
-        """``batch_groups`` finished groups, and (``wait``) no unfinished group that must be trained this step."""
+        """``batch_groups`` finished groups, and (``wait``) no unfinished group that must be trained this step, nor
+        more groups left over than the next step can train before their tokens get too old.
+
+        The look-ahead matters with extra groups: groups admitted later can finish first and fill a step, while the
+        older ones keep generating; if more old groups then come due at once than one step trains, one of them would
+        exceed ``max_staleness`` (found by the property test, seed 7961). Waiting lets the old ones finish, and being
+        older they are taken first."""
         if len(self._finished) < self.batch_groups:
             return False
-        return not any(not group.finished and self.must_train_this_step(group) for group in self.groups.values())
+        if self.config.staleness_policy != "wait":
+            return True
+        if any(not group.finished and self.must_train_this_step(group) for group in self.groups.values()):
+            return False
+        taken = set(sorted(self._finished)[: self.batch_groups])
+        due_next = sum(
+            1
+            for group in self.groups.values()
+            if group.group_id not in taken
+            and any(self._lag(sample, self.version + 2) > self.config.max_staleness for sample in group.samples)
+        )
+        return due_next <= self.batch_groups
 
     def in_flight(self) -> int:
         return sum(sample.in_flight for group in self.groups.values() for sample in group.samples)
@@ -552,6 +571,7 @@ class RolloutPool(Generic[P]):
             "partial/stalled_calls": float(self.counters.stalled_calls),
             "partial/taken_back_calls": float(self.counters.taken_back_calls),
             "partial/cancelled_calls": float(self.counters.cancelled_calls),
+            "partial/cancelled_tokens_max": float(self.counters.cancelled_tokens_max),
             "partial/abandoned_calls": float(self.counters.abandoned_calls),
             "partial/control_timeouts": float(self.counters.control_timeouts),
             "partial/budget_rounds": float(self.counters.budget_rounds),

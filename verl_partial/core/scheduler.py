@@ -10,15 +10,23 @@ cancelled call brings NOTHING back, vLLM's ``abort_all_requests`` first waits fo
 engine to produce a first output, and SGLang keeps decoding a request whose call was cancelled.
 
 * **Giving up a call never loses its tokens.** A call is given up by taking it back: aborted at its server by
-  request id, so it answers ABORTED with every token it generated. Only a call that does not answer within
-  ``partial.abort_grace_s`` is taken back once more (a call in transit at the first may have reached its engine
-  since); one that does not answer that either (its server hung) is cancelled -- counted as
-  ``partial/cancelled_calls``, the only way tokens can be lost -- and abandoned after one more ``abort_grace_s``.
-* **Step end.** Stop launching -> ``backend.abort_all()`` starts (gates close, rejecting late arrivals; running
-  calls return ABORTED with their tokens) -> answers are recorded for ``abort_grace_s`` -> every call still out is
-  taken back: requests queued in an engine end (no tokens, nothing generated), which is what lets vLLM's abort
-  barrier pass, running ones return their tokens -> ``backend.resume()``, only once ``abort_all`` returned, so a
-  late pause can never land after the resume. A step end never waits on queued requests or ``request_timeout_s``.
+  request id, so it answers ABORTED with every token it generated. A call that does not answer within
+  ``partial.abort_grace_s`` is taken back once more: a call in transit at the first was not held by its engine yet.
+  Mid-step, while its server answers the take-backs, it is taken back again every ``abort_grace_s``: gates are open,
+  so a call in transit reaches its engine and the next take-back returns its tokens, where a cancel would lose
+  what it generated since it arrived. Only a call whose server did not even answer the last take-back (hung), or one
+  still out after two take-backs at the step end (gates closed: it was refused or parks, generating nothing), is
+  cancelled -- ``partial/cancelled_calls``, the only way tokens can be lost; a cancelled call returns nothing, so
+  the loss is unknown and ``partial/cancelled_tokens_max`` bounds it -- and abandoned after one more grace.
+* **Step end.** Stop launching -> ``backend.abort(server)`` starts for every server (gates close, rejecting late
+  arrivals; running calls return ABORTED with their tokens) -> answers are recorded for ``abort_grace_s`` -> every
+  call still out is taken back: requests queued in an engine end (no tokens, nothing generated), which is what lets
+  vLLM's abort barrier pass, running ones return their tokens -> ``backend.resume(server)`` for each server, which
+  lands only once THAT server's abort returned: vLLM pauses its engine at the end of its abort, so a resume landing
+  earlier is undone and leaves the engine paused. A server whose abort outlives the step end has its resume chained
+  on the abort by the backend (it outlives the step's event loop), counts a ``partial/control_timeouts``, and sits
+  the next step out if it has not reopened when that step starts (a call sent to it would meet a closed gate). A
+  step end never waits on queued requests or ``request_timeout_s``.
 * **Stalls are judged by progress.** A server with calls outstanding that returns no result for
   ``partial.request_timeout_s`` is stalled and its calls are taken back. A call that brings tokens back was slow,
   not stuck: its tokens are kept and it counts as progress, so a long answer is never failed for its length and
@@ -76,14 +84,22 @@ class SegmentBackend(Protocol[P]):
         """Last resort for calls that did not answer a take-back: drop the call. Real engines return nothing to
         a cancelled call (its future resolves ABORTED without tokens, or fails); the call must stop generating."""
 
-    async def abort_all(self) -> None:
-        """Step end: close every server's gate, rejecting late arrivals (vLLM's
+    async def abort(self, server: str) -> None:
+        """Step end, one server: close its gate, rejecting late arrivals (vLLM's
         ``abort_all_requests(reject_request=True)``; SGLang through ``verl_partial.glue.sglang_server``); running
-        calls return ABORTED with all their tokens so far. May block while requests are queued in an engine (vLLM's
-        admission barrier) until those are taken back."""
+        calls return ABORTED with all their tokens so far. Returns once the server's abort returned (its engine is
+        paused); may block while requests are queued in its engine (vLLM's admission barrier) until those are taken
+        back."""
 
-    async def resume(self) -> None:
-        """Reopen the gates (sent only after :meth:`abort_all` returned)."""
+    async def resume(self, server: str) -> None:
+        """Reopen ``server`` after this step's :meth:`abort` of it, never before that abort returned: if it has not,
+        chain the resume on its completion so that it goes out even after this step's event loop ended. Returns once
+        the resume returned."""
+
+    def reopening(self) -> dict[str, Awaitable[None]]:
+        """Servers whose last resume has not returned yet (chained on an abort that outlived its step end), each with
+        an awaitable that completes once it has; called at a step's start, in its event loop. The scheduler never
+        cancels these awaitables."""
 
 
 class PromptSource(Protocol[P]):
@@ -114,10 +130,11 @@ class _Stage(Enum):
     """How far giving up a call has gone (module docstring, "Giving up a call")."""
 
     TAKEN_BACK = "taken_back"  # aborted at its server by request id: its tokens come back with its answer
-    # Taken back once more: a call still in transit at the first take-back (its server did not hold it yet) may have
-    # reached its engine since; a second take-back returns its tokens, where a cancel would lose them.
+    # Taken back once more (mid-step: again every grace while its server answers): a call still in transit at the
+    # first take-back (its server did not hold it yet) may have reached its engine since; a take-back then returns
+    # its tokens, where a cancel would lose them.
     TAKEN_BACK_AGAIN = "taken_back_again"
-    CANCELLED = "cancelled"  # did not answer two take-backs in time: dropped, whatever it generated is lost
+    CANCELLED = "cancelled"  # could not be taken back (module docstring): dropped, whatever it generated is lost
 
 
 @dataclass
@@ -129,16 +146,19 @@ class _Call:
     given_up: _Why | None = None
     stage: _Stage | None = None
     stage_at: float = 0.0  # when the current stage began (its grace runs from here)
+    take_back: asyncio.Task[None] | None = None  # the last take-back sent for it: done once its server answered
 
 
 class _Step(Generic[P]):
     """The state of one ``run_step``; methods are the rules listed in the module docstring."""
 
-    def __init__(self, pool: RolloutPool[P], backend: SegmentBackend[P], source: PromptSource[P]) -> None:
+    def __init__(
+        self, pool: RolloutPool[P], backend: SegmentBackend[P], source: PromptSource[P], servers: list[str]
+    ) -> None:
         self.pool, self.backend, self.source = pool, backend, source
         self.config = pool.config
         self.loop = asyncio.get_running_loop()
-        self.router = Router(backend.servers, self.config.max_calls_per_server)
+        self.router = Router(servers, self.config.max_calls_per_server)
         self.calls: dict[asyncio.Future[SegmentResult], _Call] = {}
         # Answers queue up through one done-callback per call, so a wake-up costs O(answers), not O(outstanding
         # calls) as asyncio.wait over every call would: at 9k calls a step, that is the difference between
@@ -157,9 +177,9 @@ class _Step(Generic[P]):
         # Take-backs, cancels and the step-end abort run in the background: a hung server must not hang the loop.
         self.controls: set[asyncio.Task[None]] = set()
         self.source_empty = False
-        # Set once abort_all went out: from then on an empty ABORTED answer is the abort's, not a failure.
+        # Set once the step-end aborts went out: from then on an empty ABORTED answer is the abort's, not a failure.
         self.aborted = False
-        self.abort: asyncio.Task[None] | None = None
+        self.aborts: dict[str, asyncio.Task[None]] = {}  # per server: this step's abort
 
     # ------------------------------------------------------------ launching
     def fill(self) -> None:
@@ -282,8 +302,24 @@ class _Step(Generic[P]):
             return
         if why is _Why.STALLED:
             self.pool.count(stalled_calls=len(fresh))
-        self.pool.count(taken_back_calls=len(fresh))
-        self.background(self.backend.take_back([call.request for call in fresh]))
+        self.take_back(fresh)
+
+    def take_back(self, calls: list[_Call]) -> None:
+        """One take-back per server: whether it was answered is what tells a call in transit from a hung server."""
+        self.pool.count(taken_back_calls=len(calls))
+        by_server: dict[str, list[_Call]] = {}
+        for call in calls:
+            by_server.setdefault(call.request.server, []).append(call)
+        for batch in by_server.values():
+            task = self.background(self.backend.take_back([call.request for call in batch]))
+            for call in batch:
+                call.take_back = task
+
+    def reachable(self, call: _Call) -> bool:
+        """Mid-step, a call whose server answered its last take-back: not held by its engine yet (in transit), it
+        will be once it arrives through the open gate, and a take-back then returns its tokens."""
+        task = call.take_back
+        return not self.aborted and task is not None and task.done() and not task.cancelled() and not task.exception()
 
     def background(self, control: Awaitable[None]) -> asyncio.Task[None]:
         task = self.loop.create_task(control)  # type: ignore[arg-type]
@@ -309,16 +345,21 @@ class _Step(Generic[P]):
                 self.progress[server] = now
                 self.give_up([c for c in self.calls.values() if c.request.server == server], _Why.STALLED)
         unanswered = [c for c in self.given_up.values() if now >= c.stage_at + self.config.abort_grace_s]
-        again = [call for call in unanswered if call.stage is _Stage.TAKEN_BACK]
-        cancel = [call for call in unanswered if call.stage is _Stage.TAKEN_BACK_AGAIN]
+        again: list[_Call] = []
+        cancel: list[_Call] = []
+        for call in unanswered:
+            if call.stage is _Stage.TAKEN_BACK or (call.stage is _Stage.TAKEN_BACK_AGAIN and self.reachable(call)):
+                again.append(call)
+            elif call.stage is _Stage.TAKEN_BACK_AGAIN:
+                cancel.append(call)
         for calls, stage in ((again, _Stage.TAKEN_BACK_AGAIN), (cancel, _Stage.CANCELLED)):
             for call in calls:
                 call.stage, call.stage_at = stage, now
         if again:
-            self.pool.count(taken_back_calls=len(again))
-            self.background(self.backend.take_back([call.request for call in again]))
+            self.take_back(again)
         if cancel:
-            self.pool.count(cancelled_calls=len(cancel))
+            bound = sum(call.request.max_new_tokens for call in cancel)
+            self.pool.count(cancelled_calls=len(cancel), cancelled_tokens_max=bound)
             self.background(self.backend.cancel([call.request for call in cancel]))
         for call in unanswered:
             if call.stage is _Stage.CANCELLED and call.stage_at < now:
@@ -365,7 +406,7 @@ class _Step(Generic[P]):
     # ------------------------------------------------------------ step end
     async def end(self) -> None:
         """The step-end protocol (module docstring): nothing is left generating, nothing waits on queued requests or
-        timeouts, and the gates reopen only after the abort returned."""
+        timeouts; :meth:`reopen` then resumes the servers aborted here."""
         if not self.calls:
             return
         if not self.config.abort_on_done:
@@ -374,7 +415,7 @@ class _Step(Generic[P]):
                 await self.wait(None)
             return
         self.aborted = True
-        abort = self.background(self.backend.abort_all())
+        self.aborts = {server: self.background(self.backend.abort(server)) for server in self.router.servers}
         now = self.loop.time()
         grace_end = now + self.config.abort_grace_s
         while self.calls and now < grace_end:
@@ -384,14 +425,21 @@ class _Step(Generic[P]):
         self.give_up(list(self.calls.values()), _Why.STEP_END)
         while self.calls:
             await self.wait(None)
-        self.abort = abort  # run_step resumes only once it returned (or counts a control timeout)
 
-    async def settle(self, control: asyncio.Task[None]) -> None:
-        """Wait for a control call, bounded by ``abort_grace_s``: a hung server must not hang the step. One that does
-        not return in time is counted (``partial/control_timeouts``)."""
-        done, _ = await asyncio.wait([control], timeout=self.config.abort_grace_s)
-        if not done:
-            self.pool.count(control_timeouts=1)
+    async def reopen(self) -> None:
+        """Resume every server aborted this step. Each resume lands only once that server's abort returned (the
+        backend chains it): an abort still running now (a hung server, or vLLM's barrier held by a request no
+        take-back reached) counts as a control timeout and its resume goes out after this step. The others' resumes
+        are awaited for at most ``abort_grace_s``; one that does not return in time counts too."""
+        late = [server for server, abort in self.aborts.items() if not abort.done()]
+        resumes = [self.background(self.backend.resume(server)) for server in self.aborts if server not in late]
+        for server in late:
+            self.background(self.backend.resume(server))
+        unanswered = 0
+        if resumes:
+            _, pending = await asyncio.wait(resumes, timeout=self.config.abort_grace_s)
+            unanswered = len(pending)
+        self.pool.count(control_timeouts=len(late) + unanswered)
 
     def load_metrics(self) -> dict[str, float]:
         tokens = [self.pool.server_tokens.get(server, 0) for server in self.router.servers]
@@ -401,7 +449,27 @@ class _Step(Generic[P]):
             "partial/server_load/tokens_mean": float(mean),
             "partial/server_load/max_over_mean": max(tokens) / mean if mean else 1.0,
             "partial/server_load/calls_max": float(self.router.peak_calls),
+            # Servers sitting this step out: their abort outlived the last step end and they had not reopened yet.
+            "partial/server_load/closed": float(len(self.backend.servers) - len(self.router.servers)),
         }
+
+
+async def _open_servers(backend: SegmentBackend[P], timeout: float) -> list[str]:
+    """The servers a step may route to: those whose last resume returned. One whose resume is still chained on an
+    abort that outlived the last step end sits this step out (a call reaching it first would meet its closed gate,
+    or a vLLM engine paused after it). If every server is still closed, wait for the first to reopen, at most
+    ``timeout`` (``request_timeout_s``: a server that makes no progress that long is stalled)."""
+    closed = backend.reopening()
+    if len(closed) == len(backend.servers):
+        waiting = [asyncio.ensure_future(reopened) for reopened in closed.values()]
+        await asyncio.wait(waiting, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        closed = backend.reopening()
+        if len(closed) == len(backend.servers):
+            raise RuntimeError(
+                f"no server reopened within partial.request_timeout_s={timeout} s after the last step end: the aborts "
+                f"of {sorted(closed)} have not returned (hung servers?)"
+            )
+    return [server for server in backend.servers if server not in closed]
 
 
 def _consume(done: asyncio.Future) -> None:
@@ -426,10 +494,10 @@ async def run_step(
     ``server_version``: the ``global_steps`` every server must report (None: not checked). Times come from the
     running event loop's clock, so a virtual-time loop drives the same code in tests.
     """
-    pool.begin_step(step, version, server_version)
-    state = _Step(pool, backend, source)
-    loop = state.loop
+    loop = asyncio.get_running_loop()
     started = loop.time()
+    pool.begin_step(step, version, server_version)
+    state = _Step(pool, backend, source, await _open_servers(backend, pool.config.request_timeout_s))
     try:
         while True:
             state.fill()
@@ -463,13 +531,9 @@ async def run_step(
             state.give_up(list(state.calls.values()), _Why.STEP_END)
             for call in list(state.calls.values()):
                 state.abandon(call)
-        if state.controls:  # the abort, and take-backs or cancels still on their way
+        if state.controls:  # the aborts, and take-backs or cancels still on their way
             await asyncio.wait(list(state.controls), timeout=pool.config.abort_grace_s)
-        if state.abort is not None and not state.abort.done():
-            # A server that has not finished its abort may still pause after the resume: say so.
-            state.pool.count(control_timeouts=1)
-        if pool.config.abort_on_done:
-            await state.settle(state.background(backend.resume()))
+        await state.reopen()
     trained = pool.take_ready()
     metrics = pool.step_metrics(trained) | state.load_metrics()
     metrics["partial/step_end_s"] = loop.time() - ended

@@ -25,8 +25,6 @@ The finish mapping itself is :mod:`verl_partial.core.finish`; this module select
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,20 +46,14 @@ class EngineAdapter:
         nodes answer them as no-ops, so vLLM and ours take them on every server."""
         return list(replica.servers[:1] if self.name == "sglang" else replica.servers)
 
-    async def abort_all(self, replicas: Sequence[Any]) -> None:
-        """Close every gate, refusing late arrivals, and end running requests (they return their tokens)."""
-        await asyncio.gather(
-            *[
-                server.abort_all_requests.remote(reject_request=True)
-                for replica in replicas
-                for server in self.control_servers(replica)
-            ]
-        )
+    def abort_calls(self, replica: Any) -> list[Any]:
+        """Close the replica's gates, refusing late arrivals, and end its running requests (they return their tokens):
+        one Ray call per control server, for the caller to chain on (the resume waits for them)."""
+        return [server.abort_all_requests.remote(reject_request=True) for server in self.control_servers(replica)]
 
-    async def resume(self, replicas: Sequence[Any]) -> None:
-        await asyncio.gather(
-            *[server.resume_generation.remote() for replica in replicas for server in self.control_servers(replica)]
-        )
+    def resume_calls(self, replica: Any) -> list[Any]:
+        """Reopen the replica's gates: one Ray call per control server."""
+        return [server.resume_generation.remote() for server in self.control_servers(replica)]
 
     async def take_back(self, server: Any, request_ids: list[str]) -> None:
         """Abort these calls on ``server`` by request id; each then returns ABORTED with its tokens so far."""

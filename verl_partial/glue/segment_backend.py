@@ -9,6 +9,10 @@ streamed back per call, take-backs and cancels batched per worker (the driver's 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -29,12 +33,17 @@ WORKER_MAX_CONCURRENCY = 100_000
 
 
 class WorkerSegmentBackend:
-    """The scheduler's backend (launch / take_back / cancel / abort_all / resume) over verl's AgentLoopWorkers.
+    """The scheduler's backend (launch / take_back / cancel / abort / resume) over verl's AgentLoopWorkers.
 
     A group's calls always go to the same worker (``group_id % workers``), so its prompt is tokenised once and a
     wave of new groups costs one Ray call per worker it touches. Results stream back per call
     (:meth:`PartialAgentLoopWorker.run_segments`). Lives as long as the loader: it remembers which groups' prompts
-    each worker has cached.
+    each worker has cached. ``servers`` and ``replicas`` are in the same order (verl's ``LLMServerManager``: one
+    address per replica).
+
+    A server's resume is chained on its abort's Ray refs, not on this step's event loop (``asyncio.run`` per step):
+    vLLM's abort pauses its engine only after its admission barrier, so a resume sent before the abort returned
+    would be undone, and an abort may return after the step's loop is gone.
     """
 
     def __init__(
@@ -48,9 +57,14 @@ class WorkerSegmentBackend:
         self.workers = workers
         # Samples run verl's tool agent loop (their calls carry the row's fields and the parked trajectory).
         self.tool_loop = tool_loop
-        self.replicas = replicas
         self.engine = engine
         self._servers = list(servers)
+        if len(replicas) != len(self._servers):
+            raise ValueError(f"{len(self._servers)} server addresses for {len(replicas)} replicas: expected one each")
+        self.replicas = dict(zip(self._servers, replicas, strict=True))
+        # Per server: its last abort, done when every control server returned; its last resume, likewise.
+        self.aborts: dict[str, concurrent.futures.Future[None]] = {}
+        self.resumes: dict[str, concurrent.futures.Future[None]] = {}
         self.pool: RolloutPool[Row] | None = None
         self.futures: dict[str, asyncio.Future[SegmentResult]] = {}
         self.calls: dict[str, tuple[int, str]] = {}  # request id -> (worker, server) of calls sent
@@ -193,8 +207,63 @@ class WorkerSegmentBackend:
                     return True
         return False
 
-    async def abort_all(self) -> None:
-        await self.engine.abort_all(self.replicas)
+    async def abort(self, server: str) -> None:
+        aborted = self.aborts[server] = _when_all(self.engine.abort_calls(self.replicas[server]))
+        await _on_loop(aborted)
 
-    async def resume(self) -> None:
-        await self.engine.resume(self.replicas)
+    async def resume(self, server: str) -> None:
+        resumed = self.resumes[server] = concurrent.futures.Future()
+        replica = self.replicas[server]
+
+        def send(_: object = None) -> None:  # now, or in Ray's callback thread once the abort returned
+            _when_all(self.engine.resume_calls(replica), lambda: resumed.set_result(None))
+
+        aborted = self.aborts.pop(server, None)
+        if aborted is None:
+            send()
+        else:
+            aborted.add_done_callback(send)
+        await _on_loop(resumed)
+
+    def reopening(self) -> dict[str, asyncio.Future[None]]:
+        return {server: _on_loop(resumed) for server, resumed in self.resumes.items() if not resumed.done()}
+
+
+def _when_all(refs: list[Any], then: Callable[[], None] | None = None) -> concurrent.futures.Future[None]:
+    """A future (not tied to any event loop) done once every Ray call of ``refs`` returned, failed or not; ``then``
+    runs at that moment, in whichever thread completes it."""
+    done: concurrent.futures.Future[None] = concurrent.futures.Future()
+    if then is not None:
+        done.add_done_callback(lambda _: then())
+    remaining, lock = [len(refs)], threading.Lock()
+
+    def one(_: object) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            done.set_result(None)
+
+    for ref in refs:
+        ref.future().add_done_callback(one)
+    if not refs:
+        done.set_result(None)
+    return done
+
+
+def _on_loop(done: concurrent.futures.Future[None]) -> asyncio.Future[None]:
+    """An asyncio future of the running loop that completes with ``done``. Cancelling it (the step's loop ends) leaves
+    ``done`` and what is chained on it alone, and a completion after the loop closed is dropped."""
+    loop = asyncio.get_running_loop()
+    waiter: asyncio.Future[None] = loop.create_future()
+
+    def complete() -> None:
+        if not waiter.done():
+            waiter.set_result(None)
+
+    def wake(_: object) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits any more
+            loop.call_soon_threadsafe(complete)
+
+    done.add_done_callback(wake)
+    return waiter

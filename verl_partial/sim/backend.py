@@ -1,10 +1,10 @@
 """The scheduler's backend protocol, served by simulated vLLM servers in virtual time.
 
 ``run_step`` drives this exactly as it drives the glue's Ray workers: waves of calls routed to named servers,
-``abort_all`` at the step end (gates close, vLLM's barrier waits for queued requests' first output, then running
-calls return ABORTED with their tokens), ``take_back`` (per-request abort: tokens come back), ``cancel`` (Ray
-cancel: the call gets nothing back), ``resume``. The answer lengths come from the workload; the token ids and
-log-probs are zeros (timing does not depend on them).
+``abort`` of each server at the step end (gates close, vLLM's barrier waits for queued requests' first output, then
+running calls return ABORTED with their tokens), ``take_back`` (per-request abort: tokens come back), ``cancel``
+(Ray cancel: the call gets nothing back), ``resume`` of each server, chained on its abort as the glue chains it.
+The answer lengths come from the workload; the token ids and log-probs are zeros (timing does not depend on them).
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ class SimBackend:
         # the pool restarted it from its prompt: a new answer is drawn.
         self._attempts: dict[tuple[str, int], tuple[int, int]] = {}
         self._calls: dict[str, tuple[SimServer, asyncio.Future[EngineOutcome], asyncio.Future[SegmentResult]]] = {}
+        self._aborts: dict[str, asyncio.Task[None]] = {}  # per server: its last abort
+        self._resumes: dict[str, asyncio.Task[None]] = {}  # per server: its last resume (chained on the abort)
 
     @property
     def servers(self) -> Sequence[str]:
@@ -106,12 +108,23 @@ class SimBackend:
                 if not result.done():
                     result.set_result(self._segment(request, 0, Finish.ABORTED))
 
-    async def abort_all(self) -> None:
-        await asyncio.gather(*[engine.abort_all_requests() for engine in self.engines.values()])
+    async def abort(self, server: str) -> None:
+        task = self._aborts[server] = asyncio.ensure_future(self.engines[server].abort_all_requests())
+        await asyncio.shield(task)
 
-    async def resume(self) -> None:
-        for engine in self.engines.values():
-            engine.resume()
+    async def resume(self, server: str) -> None:
+        """Reopen ``server`` once its abort returned (the pause ends the abort: a resume landing before is undone)."""
+        task = self._resumes[server] = asyncio.ensure_future(self._resume_after_abort(server))
+        await asyncio.shield(task)
+
+    async def _resume_after_abort(self, server: str) -> None:
+        abort = self._aborts.pop(server, None)
+        if abort is not None:
+            await asyncio.wait([abort])
+        self.engines[server].resume()
+
+    def reopening(self) -> dict[str, asyncio.Task[None]]:
+        return {server: task for server, task in self._resumes.items() if not task.done()}
 
     def update_weights(self, version: int) -> None:
         self.version = version

@@ -1,0 +1,86 @@
+"""The glue's step-end controls (issue 19, residual 2): each server's resume is chained on that server's own abort,
+through the abort's Ray refs, so it goes out only once the abort returned -- even when that is after the step's
+event loop (``asyncio.run`` per step) has ended. Ray refs are stood in for by their ``future()``."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+
+from verl_partial.glue.engines import engine_adapter
+from verl_partial.glue.segment_backend import WorkerSegmentBackend
+
+
+class Ref:
+    """A Ray ObjectRef as the backend uses it: ``future()`` completes when the remote call returns."""
+
+    def __init__(self) -> None:
+        self.done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def future(self) -> concurrent.futures.Future[None]:
+        return self.done
+
+
+class ControlServer:
+    """A server actor handle recording the control calls sent to it, in order."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, Ref]] = []
+
+    def __getattr__(self, method: str):
+        sent = self.__dict__["sent"]
+
+        class Method:
+            @staticmethod
+            def remote(**_: object) -> Ref:
+                sent.append((method, Ref()))
+                return sent[-1][1]
+
+        return Method
+
+
+class Replica:
+    def __init__(self, server: ControlServer) -> None:
+        self.servers = [server]
+
+
+def backend(*servers: ControlServer) -> WorkerSegmentBackend:
+    addresses = {f"s{i}": server for i, server in enumerate(servers)}
+    return WorkerSegmentBackend([], addresses, [Replica(server) for server in servers], engine_adapter("vllm"))
+
+
+def complete_from_ray_thread(ref: Ref) -> None:
+    thread = threading.Thread(target=ref.done.set_result, args=(None,))
+    thread.start()
+    thread.join()
+
+
+def test_a_resume_waits_for_its_servers_abort_even_after_the_steps_loop_ended():
+    slow, quick = ControlServer(), ControlServer()
+    glue = backend(slow, quick)
+
+    async def step_end() -> None:
+        aborts = [asyncio.ensure_future(glue.abort(server)) for server in ("s0", "s1")]
+        await asyncio.sleep(0)
+        quick.sent[0][1].done.set_result(None)  # s1's abort returns; s0's stays inside vLLM's barrier
+        await asyncio.wait_for(aborts[1], 1.0)
+        resumes = [asyncio.ensure_future(glue.resume(server)) for server in ("s0", "s1")]
+        await asyncio.sleep(0.01)
+        quick.sent[1][1].done.set_result(None)
+        await asyncio.wait_for(resumes[1], 1.0)  # s1 resumed at once
+        assert [method for method, _ in slow.sent] == ["abort_all_requests"]  # s0: nothing before its abort returned
+        assert set(glue.reopening()) == {"s0"}
+
+    asyncio.run(step_end())  # the step's loop ends with s0's abort still out
+    complete_from_ray_thread(slow.sent[0][1])  # s0's abort returns later, in Ray's thread
+    assert [method for method, _ in slow.sent] == ["abort_all_requests", "resume_generation"]
+
+    async def next_step_start() -> None:
+        reopening = glue.reopening()
+        assert set(reopening) == {"s0"}  # its resume went out but has not returned: s0 sits out
+        complete_from_ray_thread(slow.sent[1][1])
+        await asyncio.wait_for(reopening["s0"], 1.0)
+        assert glue.reopening() == {}
+
+    asyncio.run(next_step_start())
