@@ -195,7 +195,7 @@ def validate(peer: dict[str, Any], steps: int = 40) -> dict[str, Any]:
     after the same warm-up as the GPU table; v1's untimed update is the measured step - gen of that mode (>= 1 s
     hides the 1 s retry delay). Nothing is fitted to the peer run.
     """
-    from benchmarks.bench_peer import by_mode, workload_of
+    from benchmarks.bench_peer import by_mode, same_round, workload_of
 
     load, slots, updates = peer_workload(peer)
     measured = by_mode(peer)
@@ -210,7 +210,7 @@ def validate(peer: dict[str, Any], steps: int = 40) -> dict[str, Any]:
                               "first_measured": workload_of(peer).first_measured, "ratios": {}}  # fmt: skip
     for mode in ("v1_bound", "v1_defaults"):
         runs = measured.get(PEER_MODES[mode], [])
-        pairs = [v.gen_ms_per_token / o.gen_ms_per_token for v, o in zip(runs, ours, strict=False)]
+        pairs = [v.gen_ms_per_token / o.gen_ms_per_token for o, v in same_round(ours, runs)]
         predicted = rows["default"]["trained_tokens_per_s"] / rows[mode]["trained_tokens_per_s"]
         report["ratios"][mode] = {
             "predicted_v1_over_ours_rollout_per_token": predicted,
