@@ -423,13 +423,6 @@ def verdict(ratios: list[float], goal: float | None) -> str:
     return f" -- goal {goal}x " + ("not met" if max(ratios) < goal else "met in some rounds only")
 
 
-def rollout_free_bound(sync: list[RunFigures]) -> list[float]:
-    """Per round, the whole-step speed-up per trained token over ``sync`` of a schedule whose rollout phase took no
-    time at all, the rest of the step (log-probs, update, weight sync) costing what it cost sync per trained token:
-    the most any rollout scheduler on this trainer and workload can gain over the whole step."""
-    return [run.step_ms_per_token / (run.step_ms_per_token - run.gen_ms_per_token) for run in sync]
-
-
 def goals(results: dict[str, Any], ours: str = "default") -> str:
     """Issue 20's goals for ``ours`` against the measured runs: whole step per trained token, paired by round."""
     runs = by_mode(results)
@@ -449,12 +442,6 @@ def goals(results: dict[str, Any], ours: str = "default") -> str:
             f"- {MODES[ours].label} against {label}{'' if goal is None else f' (goal >= {goal}x)'}: whole step per "
             f"trained token {spread(pairs)}x, rollout phase per trained token {spread(rollout)}x over {len(pairs)} "
             f"round(s){verdict(pairs, goal)}."
-        )
-    if "v0_sync" in runs:
-        lines.append(
-            f"- bound on the whole step: a rollout phase of zero would make a step per trained token at most "
-            f"{spread(rollout_free_bound(runs['v0_sync']))}x faster than v0 sync's here (the rest of sync's step, per "
-            "trained token, as measured): the whole-step goals are judged against it."
         )
     return "\n".join(lines)
 

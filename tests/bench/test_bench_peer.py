@@ -112,10 +112,3 @@ def test_speed_ups_pair_only_runs_of_the_same_round(peer: ModuleType) -> None:
     }
     measured = peer.by_mode(results)
     assert peer.speedup(measured["v0_sync"], measured["default"]) == "2.00x"
-
-
-def test_the_whole_step_bound_is_sync_without_its_rollout_phase(peer: ModuleType) -> None:
-    """Half of sync's step is rollout: no rollout scheduler can make the whole step more than 2x faster."""
-    wl = peer.Workload(steps=3)
-    sync = peer.figures(_run("v0_sync", gen_s=2.0, step_s=4.0, mean_length=50.0), wl)
-    assert peer.rollout_free_bound([sync]) == pytest.approx([2.0])
