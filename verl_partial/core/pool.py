@@ -487,6 +487,8 @@ class RolloutPool(Generic[P]):
             return True
         if any(not group.finished and self.must_train_this_step(group) for group in self.groups.values()):
             return False
+        if len(self.groups) <= 2 * self.batch_groups:
+            return True  # at most a batch is left after this step's: the next step trains it (the default's case)
         taken = set(sorted(self._finished)[: self.batch_groups])
         due_next = sum(
             1
