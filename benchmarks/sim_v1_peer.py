@@ -1,14 +1,14 @@
 """verl's own partial rollout (v1 colocate_async) beside ours in the GPU-regime simulator:
-the last section of docs/gpu-projection-tables.md.
+docs/gpu-projection-v1.md.
 
     python -m benchmarks.sim_v1_peer --json benchmarks/results/sim_v1_peer.json
     python -m benchmarks.sim_v1_peer --only validation --peer benchmarks/results/peer.json
 
-GPU table: the setups of benchmarks/sim_gpu_projection.py (Qwen2.5-7B on 8 TP1 servers, Qwen2.5-32B on 4 TP2
-servers, 8 x H100 SXM; 128 prompts x 16 per step, 512 prompts, lognormal lengths with median 1,024 and p99/p50 8 or
-20, capped at 32,768). Rows: sync and our ``default`` (``verl_partial.sim.run``, our real scheduler), and verl 0.9.1's
-v1 colocate_async (benchmarks/v1_colocate_async_model.py) at our bound (threshold 2 + ``wait``) and at verl's
-defaults (threshold 8, ``drop``). All four drive the same simulated servers in virtual time and every mode is compared
+GPU table: the setups of benchmarks/sim_gpu_projection.py (Qwen2.5-7B on 8 TP1 servers, Qwen2.5-32B on 4 TP2 servers,
+8 x H100 SXM; 128 prompts x 16 per step, 512 prompts, lognormal lengths with median 1,024 and p99/p50 8 or 20, capped
+at 32,768). Rows: sync, our ``default`` and ``default_extra`` (``verl_partial.sim.run``, our real scheduler), and verl
+0.9.1's v1 colocate_async (benchmarks/v1_colocate_async_model.py) at our bound (threshold 2 + ``wait``) and at verl's
+defaults (threshold 8, ``drop``). All five drive the same simulated servers in virtual time and every mode is compared
 with sync over the same steps. Speed-up is trained tokens per rollout second over sync's (per trained token, not a
 step-time ratio: a mode that trains shorter answers is not faster for it).
 
