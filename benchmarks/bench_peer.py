@@ -514,6 +514,14 @@ def measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     return results
 
 
+def load_merged(paths: list[Path]) -> dict[str, Any]:
+    """Stored results of several invocations as one (rounds added with ``--first-round``); metadata from the first."""
+    stored = [json.loads(path.read_text()) for path in paths]
+    results = {**stored[0], "runs": [run for part in stored for run in part["runs"]]}
+    results["rounds"] = len({run.get("round", 0) for run in results["runs"]})
+    return results
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, of {list(MODES)}")
@@ -528,9 +536,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help="markdown file whose peer-benchmark block is replaced")
     args = parser.parse_args(argv)
     if args.from_json:
-        stored = [json.loads(path.read_text()) for path in args.from_json]
-        results = {**stored[0], "runs": [run for part in stored for run in part["runs"]]}
-        results["rounds"] = len({run.get("round", 0) for run in results["runs"]})
+        results = load_merged(args.from_json)
     else:
         unknown = sorted(set(args.modes.split(",")) - set(MODES))
         if unknown:

@@ -2,7 +2,7 @@
 docs/gpu-projection-v1.md.
 
     python -m benchmarks.sim_v1_peer --json benchmarks/results/sim_v1_peer.json
-    python -m benchmarks.sim_v1_peer --only validation --peer benchmarks/results/peer.json
+    python -m benchmarks.sim_v1_peer --only validation   # against every stored peer round
 
 GPU table: the setups of benchmarks/sim_gpu_projection.py (Qwen2.5-7B on 8 TP1 servers, Qwen2.5-32B on 4 TP2 servers,
 8 x H100 SXM; 128 prompts x 16 per step, 512 prompts, lognormal lengths with median 1,024 and p99/p50 8 or 20, capped
@@ -43,6 +43,8 @@ from verl_partial.sim.run import ModeRun, mode_configs, simulate, summarize, thr
 from verl_partial.sim.workload import Workload
 
 SIMULATED = "2026-11-24"
+#: Every stored round of benchmarks/bench_peer.py (three invocations, rounds 0, 1 and 2-3).
+PEER_RESULTS = [Path(f"benchmarks/results/{name}.json") for name in ("peer", "peer_round1", "peer_rounds23")]
 GPU_UPDATE_S = 10.0  # any value >= the 1 s retry delay gives the same rollout phases
 MODES = ("sync", "default", "default_extra", "v1_bound", "v1_defaults")
 LABELS = {
@@ -229,7 +231,9 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/sim_v1_peer.json"))
     parser.add_argument("--steps", type=int, default=12, help="measured steps per mode and setup")
     parser.add_argument("--only", choices=("gpu", "validation"))
-    parser.add_argument("--peer", type=Path, default=Path("benchmarks/results/peer.json"), help="bench_peer's JSON")
+    parser.add_argument(
+        "--peer", type=Path, nargs="+", default=PEER_RESULTS, help="bench_peer's JSON files (their runs merged)"
+    )
     parser.add_argument("--validation-steps", type=int, default=40)
     args = parser.parse_args()
     started = time.process_time()
@@ -239,11 +243,14 @@ def main() -> None:
         report["gpu"] = gpu_table(args.steps)
         print(markdown(report["gpu"]))
     if args.only != "gpu":
-        if args.peer.exists():
-            report["validation"] = validate(json.loads(args.peer.read_text()), args.validation_steps)
+        from benchmarks.bench_peer import load_merged
+
+        missing = [str(path) for path in args.peer if not path.exists()]
+        if not missing:
+            report["validation"] = validate(load_merged(args.peer), args.validation_steps)
             print(json.dumps(report["validation"]["ratios"], indent=1))
         else:
-            report["validation"] = {"status": f"not validated: {args.peer} does not exist"}
+            report["validation"] = {"status": f"not validated: {missing} do not exist"}
             print(report["validation"]["status"])
     report["cpu_seconds"] = time.process_time() - started
     args.json.parent.mkdir(parents=True, exist_ok=True)
