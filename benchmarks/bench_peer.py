@@ -517,8 +517,16 @@ def measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
 def load_merged(paths: list[Path]) -> dict[str, Any]:
     """Stored results of several invocations as one (rounds added with ``--first-round``); metadata from the first."""
     stored = [json.loads(path.read_text()) for path in paths]
+    seen: dict[tuple[int, str], Path] = {}
+    for path, part in zip(paths, stored, strict=True):
+        for run in part["runs"]:
+            key = (run.get("round", 0), run["mode"])
+            if key in seen:  # speed-ups pair runs by round: a repeated round would pair runs of different invocations
+                raise SystemExit(f"{path} and {seen[key]} both hold round {key[0]} of {key[1]}: run the later one "
+                                 "with --first-round past the earlier rounds")  # fmt: skip
+            seen[key] = path
     results = {**stored[0], "runs": [run for part in stored for run in part["runs"]]}
-    results["rounds"] = len({run.get("round", 0) for run in results["runs"]})
+    results["rounds"] = len({round_ for round_, _ in seen})
     return results
 
 

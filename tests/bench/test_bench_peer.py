@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -112,3 +113,16 @@ def test_speed_ups_pair_only_runs_of_the_same_round(peer: ModuleType) -> None:
     }
     measured = peer.by_mode(results)
     assert peer.speedup(measured["v0_sync"], measured["default"]) == "2.00x"
+
+
+def test_merging_stored_runs_refuses_a_round_held_twice(peer: ModuleType, tmp_path: Path) -> None:
+    """Rounds added later must continue the numbering (``--first-round``); a second round 0 of the same mode would
+    pair one invocation's sync with another's runs, so the merge refuses it instead of averaging it in."""
+    first, later, clash = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    first.write_text(json.dumps({"workload": {}, "runs": [_run("v0_sync", 2.0, 4.0, 50.0, round_=0)]}))
+    later.write_text(json.dumps({"workload": {}, "runs": [_run("v0_sync", 2.0, 4.0, 50.0, round_=1)]}))
+    clash.write_text(json.dumps({"workload": {}, "runs": [_run("v0_sync", 2.0, 4.0, 50.0, round_=0)]}))
+    merged = peer.load_merged([first, later])
+    assert merged["rounds"] == 2 and len(merged["runs"]) == 2
+    with pytest.raises(SystemExit, match="round 0 of v0_sync"):
+        peer.load_merged([first, clash])
