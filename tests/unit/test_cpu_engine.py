@@ -582,3 +582,48 @@ def test_sglang_max_tokens_zero_answers_no_tokens_with_length(model: Qwen2ForCau
 def test_unknown_semantics_is_refused_by_name(model: Qwen2ForCausalLM) -> None:
     with pytest.raises(ValueError, match="semantics must be one of"):
         CpuBatchedEngine(model, eos_token_ids=set(), semantics="trtllm")  # type: ignore[arg-type]
+
+
+def test_device_cpu_is_the_default_engine(model: Qwen2ForCausalLM) -> None:
+    """``device="cpu"`` (as a string or a torch.device) is the engine as it was: same tokens, same log-probs."""
+    prompts = _prompts(5, 12, 3)
+    params = SamplingParams(max_tokens=10, temperature=1.0, top_k=50, top_p=0.9)
+
+    async def main(**device: object) -> list[GenerationResult]:
+        engine = CpuBatchedEngine(model, eos_token_ids=set(), seed=0, **device)
+        results = await asyncio.gather(*(engine.generate(f"r{i}", p, params) for i, p in enumerate(prompts)))
+        await engine.close()
+        return results
+
+    default = _run(main)
+    for device in ("cpu", torch.device("cpu")):
+        assert _run(lambda d=device: main(device=d)) == default
+    assert [(len(r.token_ids), r.stop_reason) for r in default] == [(10, "length")] * len(prompts)
+
+
+def test_dtype_casts_the_model_and_its_cache_in_place() -> None:
+    """``dtype=`` casts the caller's module in place (the engine serves that very module) and the KV cache follows;
+    the batched forward still matches a plain recompute of the cast model."""
+    model = _build(Qwen2ForCausalLM, _qwen2_config())
+    prompt = _prompts(9)[0]
+
+    async def main() -> tuple[GenerationResult, CpuBatchedEngine]:
+        engine = CpuBatchedEngine(model, eos_token_ids=set(), seed=0, dtype=torch.float64)
+        result = await engine.generate("r", prompt, SamplingParams(max_tokens=8, temperature=1.0))
+        await engine.close()
+        return result, engine
+
+    result, engine = _run(main)
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    assert engine.device == torch.device("cpu")
+    assert engine.kv_cache_bytes > 0 and engine._kv._keys[0].dtype == torch.float64
+    _assert_matches_recompute(model, prompt, result)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [({"device": "not-a-device"}, "device"), ({"dtype": torch.int64}, "dtype"), ({"dtype": "bfloat16"}, "dtype")],
+)
+def test_bad_device_or_dtype_is_refused_by_name(model: Qwen2ForCausalLM, kwargs: dict[str, object], key: str) -> None:
+    with pytest.raises(ValueError, match=f"^{key} must be"):
+        CpuBatchedEngine(model, eos_token_ids=set(), **kwargs)
