@@ -627,3 +627,28 @@ def test_dtype_casts_the_model_and_its_cache_in_place() -> None:
 def test_bad_device_or_dtype_is_refused_by_name(model: Qwen2ForCausalLM, kwargs: dict[str, object], key: str) -> None:
     with pytest.raises(ValueError, match=f"^{key} must be"):
         CpuBatchedEngine(model, eos_token_ids=set(), **kwargs)
+
+
+def test_every_tensor_of_a_step_is_made_on_the_models_device(model: Qwen2ForCausalLM) -> None:
+    """What a GPU run needs, checked without a GPU: with ``meta`` as torch's default device, a tensor the engine made
+    without naming its device would land on ``meta`` and meet the model's CPU tensors (an error) or hold no data
+    (an error when read). Prefill, decode over several length buckets, top-k / top-p, greedy and seeded rows."""
+    prompts = _prompts(3, 40, 150)
+    params = [
+        SamplingParams(max_tokens=6, temperature=1.0, top_k=20, top_p=0.9),
+        SamplingParams(max_tokens=6, temperature=0.0),
+        SamplingParams(max_tokens=6, seed=3),
+    ]
+
+    async def main() -> list[GenerationResult]:
+        engine = CpuBatchedEngine(model, eos_token_ids=set(), seed=0, virtual_step_s=STEP_S)  # steps on this thread
+        results = await asyncio.gather(
+            *(engine.generate(f"r{i}", p, s) for i, (p, s) in enumerate(zip(prompts, params, strict=True)))
+        )
+        await engine.close()
+        return results
+
+    with torch.device("meta"):
+        results = _virtual(main)
+    assert [len(r.token_ids) for r in results] == [6, 6, 6]
+    _assert_matches_recompute(model, prompts[1], results[1])

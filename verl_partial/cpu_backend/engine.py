@@ -593,7 +593,6 @@ def sample(
         processed = torch.log_softmax(_truncate(logits[index] / temperatures, params), dim=-1)
         probs = processed.double().exp()
         cdf = probs.cumsum(dim=-1)
-        # Drawn on the CPU generators (seeded requests stay reproducible on any device), then moved to the logits.
         uniforms = _uniforms([samplers[row][1] for row in random_rows], shared_generator).to(logits.device)
         picked = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
         # Rounding can push the draw past the last token with mass; fall back to that token.
@@ -608,12 +607,15 @@ def sample(
 
 def _uniforms(generators: list[torch.Generator | None], shared: torch.Generator) -> torch.Tensor:
     shared_rows = [row for row, g in enumerate(generators) if g is None]
-    uniforms = torch.empty(len(generators), dtype=torch.float64)
+    # On the CPU generators' device whatever the model's: a seeded request draws the same uniforms everywhere.
+    uniforms = torch.empty(len(generators), dtype=torch.float64, device=shared.device)
     if shared_rows:
-        uniforms[shared_rows] = torch.rand(len(shared_rows), dtype=torch.float64, generator=shared)
+        uniforms[shared_rows] = torch.rand(
+            len(shared_rows), dtype=torch.float64, generator=shared, device=shared.device
+        )
     for row, generator in enumerate(generators):
         if generator is not None:
-            uniforms[row] = torch.rand((), dtype=torch.float64, generator=generator)
+            uniforms[row] = torch.rand((), dtype=torch.float64, generator=generator, device=generator.device)
     return uniforms
 
 
