@@ -1,11 +1,11 @@
 """Our continuous-batching engine on a GPU: decode step time vs running requests, beside the roofline; rollout phase
 sync vs ``default`` vs ``tail`` on the same engine. Measured, our PyTorch engine, not vLLM.
 
-    python -m benchmarks.gpu_engine_curve --device cuda --out "$OUT/gpu_engine_curve.jsonl"   # ~4-5 min on H100
+    python -m benchmarks.gpu_engine_curve --device cuda --out "$OUT/gpu_engine_curve.jsonl"   # ~4-5 min (estimate)
     python -m benchmarks.gpu_engine_curve --smoke --out /tmp/gpu_engine_curve.jsonl           # CPU, tiny model
 
 Why: every GPU figure elsewhere in this project is emulated or simulated (docs/gpu-projection-model.md). This runs
-the very engine of ``verl_partial.cpu_backend`` (``CpuBatchedEngine(device="cuda", dtype=torch.bfloat16)``) on a
+the very engine of ``verl_partial.cpu_backend`` (``CpuBatchedEngine(model, device="cuda")``, a bf16 model) on a
 real accelerator, so its step-time curve can be put beside the roofline the simulator is built from, and the
 scheduler's modes can be compared on a real step-time curve instead of a modelled one. The engine is eager PyTorch
 (one kernel per op, no CUDA graphs, no paged or fused attention): its small-batch steps are bound by launch and
@@ -533,14 +533,14 @@ def table(path: Path) -> str:
     for line in lines:
         if line["kind"] == "decode_step":
             out.append(
-                f"| {line['running']} | {line['context']} | {line['step_ms']:.2f} | {line['roofline_ms']:.2f} | "
-                f"{line['sim_vllm_ms']:.2f} | {line['measured_over_roofline']:.1f}x | {line['tokens_per_s']:,.0f} |"
+                f"| {line['running']} | {line['context']} | {line['step_ms']:.2f} | {line['roofline_ms']:.3g} | "
+                f"{line['sim_vllm_ms']:.3g} | {line['measured_over_roofline']:.1f}x | {line['tokens_per_s']:,.0f} |"
             )
     for line in lines:
         if line["kind"] == "prefill":
             out.append(
                 f"\nprefill {line['prompts']} x {line['prompt_tokens']} tokens: {line['ms_per_token']:.4f} ms/token "
-                f"(roofline {line['roofline_ms'] / (line['prompts'] * line['prompt_tokens']):.4f})"
+                f"(roofline {line['roofline_ms'] / (line['prompts'] * line['prompt_tokens']):.3g})"
             )
     out.append("\n| in flight | mode | steps | ms / trained token | trained tokens/s | slot occupancy | vs sync |")
     out.append("|---:|---|---:|---:|---:|---:|---:|")
@@ -562,11 +562,23 @@ def main(argv: Sequence[str] | None = None) -> Path:
     parser.add_argument("--budget-s", type=float, default=None, help="stop starting measurements after this long")
     parser.add_argument("--smoke", action="store_true", help="tiny model and plan (a CPU check of every path)")
     parser.add_argument("--skip-rollout", action="store_true", help="the curve only")
+    parser.add_argument("--in-flight", type=int, nargs="+", help="requests per rollout step (default 128 256)")
+    parser.add_argument("--rollout-steps", type=int, help="steps per mode (default 4: one window of tail)")
+    parser.add_argument("--response-length", type=int, help="answer length cap (default 512; p99 = 8 x p50)")
+    parser.add_argument("--p50", type=float, help="median imposed answer length (default 64)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     plan = SMOKE if args.smoke else Plan()
-    if args.budget_s is not None:
-        plan = dataclasses.replace(plan, budget_s=args.budget_s)
+    overrides = {
+        "budget_s": args.budget_s,
+        "in_flight": None if args.in_flight is None else tuple(args.in_flight),
+        "rollout_steps": args.rollout_steps,
+        "response_length": args.response_length,
+        "p50": args.p50,
+    }
+    plan = dataclasses.replace(plan, **{key: value for key, value in overrides.items() if value is not None})
+    if any(n % plan.group_size or n > plan.max_num_seqs for n in plan.in_flight):
+        parser.error(f"--in-flight: multiples of the group size {plan.group_size}, at most {plan.max_num_seqs}")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     model = build_model(plan, device, dtype)
