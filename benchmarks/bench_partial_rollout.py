@@ -53,6 +53,7 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from statistics import NormalDist
@@ -232,13 +233,17 @@ class EngineSegmentBackend:
                 call.cancel()
             await self.engine.abort(request.request_id)
 
-    async def abort_all(self) -> None:
+    async def abort(self, server: str) -> None:
         # Pause first so nothing queued is scheduled between the abort and the step's end (vLLM's pause_generation).
         self.engine.pause()
         await self.engine.abort_all()
 
-    async def resume(self) -> None:
+    async def resume(self, server: str) -> None:
         self.engine.resume()
+
+    def reopening(self) -> dict[str, Awaitable[None]]:
+        """None: the engine's abort returns once every call has answered and its resume is immediate."""
+        return {}
 
 
 # ---------------------------------------------------------------------------------------------- modes
