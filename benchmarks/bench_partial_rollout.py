@@ -64,10 +64,11 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from benchmarks._machine import cpu_name
-from verl_partial.core.finish import Finish, finish_mapper
-from verl_partial.core.partial_config import PRESETS, PartialConfig
-from verl_partial.core.pool import GroupState, RolloutPool, SegmentRequest
-from verl_partial.core.scheduler import SegmentResult, run_step
+from verl_partial.config.partial import PRESETS, PartialConfig
+from verl_partial.core.engines.adapter import finish_mapper
+from verl_partial.core.partial.finish import Finish
+from verl_partial.core.partial.pool import GroupState, RolloutPool, SegmentRequest
+from verl_partial.core.partial.scheduler import SegmentResult, run_step
 from verl_partial.cpu_backend.engine import CpuBatchedEngine, EngineStats, SamplingParams
 
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
