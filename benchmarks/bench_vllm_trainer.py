@@ -140,8 +140,10 @@ class ImposedLengthAgentLoop(SingleTurnAgentLoop):
 
 def worker_setup() -> None:
     """The workload's part of the harness's Ray ``worker_process_setup_hook``, run in every mode alike: imposed
-    lengths in our agent-loop worker (unused by verl's own loops), the engine-step record if asked."""
-    install_partial_hook()
+    lengths in our agent-loop worker where the run imposes them (unused by verl's own loops), the engine-step record
+    if asked."""
+    if os.environ.get(TARGET_ENV):
+        install_partial_hook()
     if os.environ.get(ENGINE_STEPS_ENV):
         record_engine_steps(Path(os.environ[ENGINE_STEPS_ENV]))
 

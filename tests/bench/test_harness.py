@@ -64,7 +64,9 @@ def test_the_lock_is_exclusive_and_reentrant_across_child_processes(harness: Mod
 
 def test_a_busy_machine_rejects_the_run(harness: ModuleType, tmp_path: Path) -> None:
     """Another process burning a core during the run (not one the run started) marks the run rejected."""
-    burner = subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 6\nwhile time.time() < end: pass"])
+    burner = subprocess.Popen(
+        [sys.executable, "-c", "import time\nend = time.time() + 6\nwhile time.time() < end: pass"]
+    )
     try:
         time.sleep(0.5)
         record = harness.run_trainer(["sleep", "4"], tmp_path / "run", dict(os.environ), harness.RunSettings())
