@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -51,6 +52,7 @@ def _harness() -> ModuleType:
     spec = importlib.util.spec_from_file_location("_verl_partial_bench_harness", HARNESS)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 

@@ -126,3 +126,37 @@ def test_every_mode_gets_the_same_runtime_environment(bench_module: Callable[[st
     harness = bench_module("harness")
     env = harness.run_env(harness.RunSettings(threads=3), tmp_path, {"WORKLOAD": "x"}, base={})
     assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "3" and env["WORKLOAD"] == "x"
+
+
+def test_heavy_tests_take_the_same_lock(harness: ModuleType, request: pytest.FixtureRequest) -> None:
+    """tests/conftest.py holds the harness's lock through an ``e2e`` (or ``vllm``) test, and only such a test."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_conftest_under_test", REPO / "tests" / "conftest.py")
+    assert spec is not None and spec.loader is not None
+    conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(conftest)
+    light = conftest.pytest_runtest_protocol(request.node, None)
+    next(light)
+    assert harness.HELD_ENV not in os.environ
+    light.close()
+    request.node.add_marker("e2e")
+    heavy = conftest.pytest_runtest_protocol(request.node, None)
+    next(heavy)
+    try:
+        assert os.environ[harness.HELD_ENV] == str(harness.lock_path())
+        stranger = {k: v for k, v in os.environ.items() if k != harness.HELD_ENV}
+        assert _child_try(harness, stranger) == "held"
+    finally:
+        heavy.close()
+    assert harness.HELD_ENV not in os.environ
+    assert _child_try(harness, dict(os.environ)) == "free"
+
+
+def _child_try(harness: ModuleType, env: dict[str, str]) -> str:
+    """Whether another process finds the lock free, without waiting for it."""
+    code = TRY_LOCK.split("with heavy_lock()")[0]
+    done = subprocess.run([sys.executable, "-c", code, str(harness.lock_path())], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
