@@ -560,6 +560,7 @@ def plot(results: dict[str, Any], path: Path) -> None:
                 ax.bar(x, mean, color="tab:orange" if MODES[name].partial else "tab:blue")
                 ax.errorbar(x, mean, yerr=[[mean - min(values)], [max(values) - mean]], color="black", capsize=3)
             ax.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=8)
+            ax.set_xlim(-0.6, len(names) - 0.4)
             ax.set_title(f"{engine} ({label_of(results, engine)}): {title}", fontsize=9)
     fig.suptitle(f"Peer benchmark, {results['machine']['date']}, {results['rounds']} round(s), bars: min-max")
     fig.tight_layout()
@@ -633,9 +634,9 @@ def measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         "lock": str(lock_path()),
         "engines": engines,
         "modes": names,
-        "rounds": args.rounds,
         "runs": [run for run in (stored or {}).get("runs", []) if usable(run)],
     }
+    results["rounds"] = len({run_key(r)[0] for r in results["runs"]})  # counted again after each run
     rounds = range(args.first_round, args.first_round + args.rounds)
     runnable = {e: [n for n in names if MODES[n].runnable_on(e)] for e in engines}
     todo = [key for key in pending(results["runs"], rounds, list(engines), names) if key[2] in runnable[key[1]]]
@@ -647,6 +648,7 @@ def measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         results["runs"] = [r for r in results["runs"] if run_key(r) != (round_, engine, name)] + [
             {**run, "round": round_}
         ]
+        results["rounds"] = len({run_key(r)[0] for r in results["runs"]})
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(results, indent=1) + "\n")

@@ -165,7 +165,7 @@ class RunMonitor:
     """Samples, every ``period_s`` while a run lasts: the summed RSS and the OS threads of the run's process tree, and
     the CPU time of every process outside it."""
 
-    def __init__(self, pid: int, period_s: float = 1.0) -> None:
+    def __init__(self, pid: int, period_s: float = 2.0) -> None:
         import psutil
 
         self._psutil = psutil
