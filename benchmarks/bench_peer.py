@@ -419,7 +419,7 @@ def table(results: dict[str, Any], engine: str = "cpu_vllm") -> str:
     """One engine's markdown table: one row per mode, mean (range) over rounds of each per-trained-token figure."""
     measured = by_mode(results, engine)
     lost: dict[str, list[str]] = {}
-    for run in results["runs"]:
+    for run in [*results["runs"], *results.get("set_aside", [])]:
         if run.get("engine", "cpu_vllm") == engine and not usable(run):
             why = "rejected" if run.get("rejected") else "failed"
             lost.setdefault(run["mode"], []).append(why)
@@ -510,7 +510,7 @@ def header(results: dict[str, Any]) -> str:
     engines = ", ".join(f"{e} ({label_of(results, e)}"
                         + "".join(f", `{o}`" for o in results.get("engines", {}).get(e, {}).get("overrides", []))
                         + ")" for e in engines_of(results))  # fmt: skip
-    rejected = sum(1 for run in results["runs"] if run.get("rejected"))
+    rejected = sum(1 for run in [*results["runs"], *results.get("set_aside", [])] if run.get("rejected"))
     return (
         f"Run {m['date']} on {m['cpu']}, {m['cores']} cores, Python {m['python']}, {m['packages']}, "
         f"{results.get('transfer_queue', '')}; verl-partial {results.get('checkout', '?')}. Engines: {engines}. "
@@ -635,6 +635,11 @@ def measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         "engines": engines,
         "modes": names,
         "runs": [run for run in (stored or {}).get("runs", []) if usable(run)],
+        # failed and rejected runs, kept for the record once a later run of the same round took their place
+        "set_aside": [
+            *(stored or {}).get("set_aside", []),
+            *(r for r in (stored or {}).get("runs", []) if not usable(r)),
+        ],
     }
     results["rounds"] = len({run_key(r)[0] for r in results["runs"]})  # counted again after each run
     rounds = range(args.first_round, args.first_round + args.rounds)
@@ -645,6 +650,7 @@ def measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     for round_, engine, name in todo:
         run_dir = args.work_dir / "runs" / f"r{round_}-{engine}-{name}"
         run = run_mode(MODES[name], engine, paths, wl, run_dir, settings, tuple(engines[engine]["overrides"]))
+        results["set_aside"] += [r for r in results["runs"] if run_key(r) == (round_, engine, name)]
         results["runs"] = [r for r in results["runs"] if run_key(r) != (round_, engine, name)] + [
             {**run, "round": round_}
         ]

@@ -299,6 +299,7 @@ def merge_results(paths: Sequence[Path]) -> dict[str, Any]:
                                  "later one with --first-round past the earlier rounds")  # fmt: skip
             seen[key] = Path(path)
     results = {**stored[0], "runs": [run for part in stored for run in part["runs"]]}
+    results["set_aside"] = [run for part in stored for run in part.get("set_aside", [])]  # failed or rejected
     results["rounds"] = len({round_ for round_, _, _ in seen})
     return results
 
