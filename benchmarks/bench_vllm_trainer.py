@@ -60,7 +60,7 @@ from typing import Any
 import numpy as np
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
-from benchmarks.harness import RunSettings, heavy_lock, ray_overrides, run_env, run_trainer
+from benchmarks.harness import RunSettings, heavy_lock, ray_overrides, run_env, run_trainer, usable
 from verl_partial.core.finish import Finish
 from verl_partial.sim.bound import StepCostFloor, phase_floor
 
@@ -558,7 +558,7 @@ def tables(results: dict[str, Any]) -> str:
                 "|---|---|" + "---:|" * wl.steps]  # fmt: skip
     for engine in ENGINES:
         runs = [r for r in results["runs"] if r["engine"] == engine]
-        sync_run = next((r for r in runs if r["mode"] == "sync" and r["returncode"] == 0), None)
+        sync_run = next((r for r in runs if r["mode"] == "sync" and usable(r)), None)
         sync = summarise(sync_run, wl)["gen_s"] if sync_run else None
         rates = results.get("peak", {}).get(engine, {})
         # Step floors: under the engine's own steps inside the trainer when recorded, else under its standalone curve.
@@ -594,6 +594,9 @@ def tables(results: dict[str, Any]) -> str:
         for run in runs:
             if run["returncode"] != 0:
                 lines.append(f"| {engine} | {run['mode']} | failed (exit {run['returncode']}) | | | | | | | | | |")
+                continue
+            if run.get("rejected"):  # the harness found the machine busy: kept on record, no figure from it
+                lines.append(f"| {engine} | {run['mode']} | rejected: {run['rejected']} | | | | | | | | | |")
                 continue
             s = summarise(run, wl)
             lag = int(s["staleness_max"])
