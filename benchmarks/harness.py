@@ -207,7 +207,8 @@ class RunMonitor:
         for process in tree:
             with contextlib.suppress(psutil.Error):
                 total += process.memory_info().rss
-                seen = self.threads.setdefault(process.pid, {"name": " ".join(process.cmdline())[:120], "threads": 0})
+                seen = self.threads.setdefault(process.pid, {"name": " ".join(process.cmdline())[:120], "threads": 0,
+                                                             "created": process.create_time()})  # fmt: skip
                 seen["threads"] = max(seen["threads"], process.num_threads())
         self.peak_rss_bytes = max(self.peak_rss_bytes, total)
         others = self._other_cpu_times(tree)
@@ -218,9 +219,24 @@ class RunMonitor:
         while not self._stop.wait(self.period_s):
             self.sample()
 
+    def _end_leftovers(self) -> int:
+        """Kill every process the run started that outlived it: Ray workers move to their own process group and, when
+        the driver exits, can live on (a ``ray::TaskRunner`` did), taking the next run's cores."""
+        psutil = self._psutil
+        killed = 0
+        for pid, seen in self.threads.items():
+            with contextlib.suppress(psutil.Error):
+                process = psutil.Process(pid)
+                if process.create_time() == seen["created"]:  # the same process, not a reused pid
+                    process.kill()
+                    killed += 1
+        return killed
+
     def stop(self) -> dict[str, Any]:
+        """Call once the run's root process has exited."""
         self._stop.set()
         self._thread.join()
+        leftovers = self._end_leftovers()
         wall = max(time.monotonic() - self.started, 1e-9)
         return {
             "loadavg_before": list(self.load_before),
@@ -228,7 +244,11 @@ class RunMonitor:
             "other_cores_mean": round(self.other_cpu_s / wall, 3),
             "wall_s": round(wall, 1),
             "peak_rss_bytes": self.peak_rss_bytes,
-            "process_threads": sorted(self.threads.values(), key=lambda seen: -seen["threads"]),
+            "leftover_processes_killed": leftovers,
+            "process_threads": sorted(
+                ({"name": seen["name"], "threads": seen["threads"]} for seen in self.threads.values()),
+                key=lambda seen: -seen["threads"],
+            ),
         }
 
 

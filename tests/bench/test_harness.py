@@ -81,6 +81,22 @@ def test_a_busy_machine_rejects_the_run(harness: ModuleType, tmp_path: Path) -> 
     assert harness.busy_reason(quiet) is None
 
 
+def test_processes_a_run_leaves_behind_are_ended(harness: ModuleType, tmp_path: Path) -> None:
+    """A process the run started in its own session (as Ray's workers are) that outlives the run is killed, so it
+    cannot take the next run's cores."""
+    marker = tmp_path / "left.pid"
+    command = ["sh", "-c", f"setsid sh -c 'echo $$ > {marker}; exec sleep 120' & sleep 5"]
+    record = harness.run_trainer(command, tmp_path / "run", dict(os.environ), harness.RunSettings())
+    assert record["returncode"] == 0 and record["machine"]["leftover_processes_killed"] >= 1
+    import psutil
+
+    time.sleep(0.5)
+    try:  # gone, or a zombie its new parent has not reaped yet
+        assert psutil.Process(int(marker.read_text())).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        pass
+
+
 def test_pending_skips_stored_usable_runs_and_redoes_rejected_ones(harness: ModuleType) -> None:
     stored = [
         {"round": 0, "engine": "cpu", "mode": "a", "returncode": 0, "rejected": None},
