@@ -437,7 +437,8 @@ def table(results: dict[str, Any], engine: str = "cpu_vllm") -> str:
             f" ({lost[name].count(why)} {why})" for why in ("failed", "rejected") if why in lost.get(name, [])
         )
         if not runs:
-            lines.append(f"| {MODES[name].label} | 0{note} | failed |" + " |" * 13)
+            why = "rejected" if set(lost[name]) == {"rejected"} else "failed"
+            lines.append(f"| {MODES[name].label} | 0{note} | {why} |" + " |" * 13)
             continue
         occupancy = [r.occupancy for r in runs if r.occupancy is not None]
         probes = [r.probe_s for r in runs if r.probe_s is not None]
