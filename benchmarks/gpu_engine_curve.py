@@ -57,11 +57,11 @@ import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks.bench_partial_rollout import EngineSegmentBackend, Prompt
-from verl_partial.core.length_batching import LengthBatcher
-from verl_partial.core.on_policy import LengthEstimator, length_estimator
-from verl_partial.core.partial_config import PartialConfig
-from verl_partial.core.pool import RolloutPool
-from verl_partial.core.scheduler import run_step
+from verl_partial.config.partial import PartialConfig
+from verl_partial.core.partial.length_batching import LengthBatcher
+from verl_partial.core.partial.on_policy import LengthEstimator, length_estimator
+from verl_partial.core.partial.pool import RolloutPool
+from verl_partial.core.partial.scheduler import run_step
 from verl_partial.cpu_backend.engine import CpuBatchedEngine, SamplingParams, sample
 from verl_partial.cpu_backend.kv_model import SlotKVModel
 from verl_partial.sim.engine import ServerSpec

@@ -1,11 +1,12 @@
 """Learning curves: synchronous vs partial rollout through verl's real GRPO trainer, and the run-level length bias.
 
-    python -m benchmarks.learning_curves --lock /tmp/team/heavy.lock          # the documented matrix (~30 min)
+    python -m benchmarks.learning_curves                                       # the documented matrix (~30 min)
     python -m benchmarks.learning_curves --report-only                         # tables + plot from saved results
 
 Method. Every run is ``python -m verl.trainer.main_ppo`` built by :func:`verl_partial.cli.demo_command` (the demo:
-countdown task, tiny Qwen2, our CPU engine, 8 prompts x 4 samples per step), one run at a time, each optionally
-under ``flock --lock`` with a pause between runs so other jobs on a shared machine can take the lock. Runs are
+countdown task, tiny Qwen2, our CPU engine, 8 prompts x 4 samples per step), one run at a time, each through
+benchmarks/harness.py (its one lock, the same environment and threads in every mode, the machine record) with a pause
+between runs so other jobs on a shared machine can take the lock. Runs are
 interleaved seed-major (seed 0: every mode, then seed 1: every mode, ...) so machine noise falls on all modes
 alike. The modes:
 
@@ -45,8 +46,6 @@ import argparse
 import datetime as _dt
 import json
 import math
-import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -56,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks._machine import cpu_name
+from benchmarks.harness import RunSettings, ray_overrides, run_env, run_trainer
 from verl_partial.cli import DEFAULT_CACHE, demo_command
 from verl_partial.demo.assets import DemoAssets, build_assets, hydra_overrides
 from verl_partial.sim.stats import ks_distance
@@ -130,7 +130,6 @@ def run_one(
     val_every: int,
     overrides: list[str],
     work_dir: Path,
-    lock: str | None,
 ) -> dict[str, Any]:
     """One trainer run; returns its per-step metrics, trained lengths and scores, exit status and wall time."""
     output_dir = work_dir / f"{mode.name}_seed{seed}"
@@ -144,26 +143,25 @@ def run_one(
         f"data.seed={seed}",
         *overrides,
         *mode.overrides,
+        *ray_overrides(),
     ]
     command = demo_command(
         hydra_overrides(assets), steps=steps, output_dir=output_dir, partial=mode.preset, extra=extra
     )
-    if lock:
-        command = ["flock", lock, *command]
-    env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(output_dir / "metrics.jsonl"), "RAY_DEDUP_LOGS": "0"}
+    settings = RunSettings(timeout_s=RUN_TIMEOUT_S)
     start = time.monotonic()
-    completed = subprocess.run(
-        command, cwd=output_dir, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False
-    )
+    run = run_trainer(command, output_dir, run_env(settings, output_dir, {"RAY_DEDUP_LOGS": "0"}), settings)
     wall = time.monotonic() - start
-    (output_dir / "log.txt").write_text(completed.stdout + completed.stderr)
+    log = (output_dir / "verl.log").read_text()
     records = read_run(output_dir, assets)
     return {
         "mode": mode.name,
         "seed": seed,
-        "returncode": completed.returncode,
+        "returncode": run["returncode"],
         "wall_s": wall,
-        "error_tail": "" if completed.returncode == 0 else (completed.stdout + completed.stderr)[-4000:],
+        "machine": run["machine"],
+        "rejected": run["rejected"],
+        "error_tail": "" if run["returncode"] == 0 else log[-4000:],
         "steps": records,
     }
 
@@ -534,7 +532,6 @@ def main() -> None:
     parser.add_argument("--override", nargs="*", default=[], help="Hydra overrides applied to every mode")
     parser.add_argument("--final-window", type=int, default=16, help="steps averaged for the final reward")
     parser.add_argument("--smooth", type=int, default=8, help="moving-mean width of the plotted reward")
-    parser.add_argument("--lock", default=None, help="run each trainer run under `flock LOCK`")
     parser.add_argument("--pause", type=float, default=10.0, help="seconds between runs (lets others take the lock)")
     parser.add_argument("--work-dir", type=Path, default=None, help="run folders (default: a new folder in /tmp)")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -597,7 +594,6 @@ def main() -> None:
                     val_every=args.val_every,
                     overrides=args.override,
                     work_dir=work_dir,
-                    lock=args.lock,
                 )
                 results["runs"].append(run)
                 print(

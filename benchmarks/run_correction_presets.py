@@ -25,16 +25,15 @@ import argparse
 import datetime as _dt
 import json
 import math
-import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import RunSettings, ray_overrides, run_env, run_trainer
 from verl_partial.cli import demo_command
 from verl_partial.config.correction import PRESET_NAMES, preset
 from verl_partial.demo.assets import build_assets, hydra_overrides
@@ -69,14 +68,12 @@ def run_preset(name: str, cache_dir: Path, keep: bool, steps: int = 1) -> dict[s
         partial="default",
         extra=["trainer.logger=[console,file]", "trainer.test_freq=0", f"+rollout_correction={name}"],
     )
-    env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(metrics_file), "RAY_DEDUP_LOGS": "0"}
+    settings = RunSettings(timeout_s=RUN_TIMEOUT_S)
     start = time.monotonic()
-    try:
-        done = subprocess.run(command, cwd=output_dir, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-        returncode, log = done.returncode, done.stdout + done.stderr
-    except subprocess.TimeoutExpired as exc:
-        returncode = None
-        log = _text(exc.stdout) + _text(exc.stderr) + f"\nTIMEOUT after {RUN_TIMEOUT_S} s"
+    run = run_trainer([*command, *ray_overrides()], output_dir, run_env(settings, output_dir, {"RAY_DEDUP_LOGS": "0"}),
+                      settings)  # fmt: skip
+    returncode = None if run["returncode"] == 124 else run["returncode"]  # 124: `timeout` ended it
+    log = (output_dir / "verl.log").read_text() + (f"\nTIMEOUT after {RUN_TIMEOUT_S} s" if returncode is None else "")
     wall = time.monotonic() - start
     metrics: dict[str, Any] = {}
     if metrics_file.exists():
@@ -97,12 +94,6 @@ def run_preset(name: str, cache_dir: Path, keep: bool, steps: int = 1) -> dict[s
         "error_tail": tail,
         "log_file": str(output_dir / "run.log"),
     }
-
-
-def _text(value: bytes | str | None) -> str:
-    if value is None:
-        return ""
-    return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
 def expected_bypass(name: str) -> bool | None:
