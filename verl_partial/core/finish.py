@@ -19,7 +19,9 @@ Both engines stop on every EOS id of the tokenizer *and* of ``generation_config`
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass
 from enum import Enum
+from typing import TypeVar
 
 
 class Finish(str, Enum):
@@ -52,49 +54,83 @@ def eos_id_set(*sources: int | Iterable[int] | None) -> frozenset[int]:
     return frozenset(int(token) for token in ids)
 
 
-def _ends_on_eos(token_ids: Sequence[int], eos_ids: Collection[int]) -> bool:
-    return bool(len(token_ids)) and int(token_ids[-1]) in eos_ids
+T = TypeVar("T")
 
 
-def from_vllm(stop_reason: str | None, token_ids: Sequence[int], max_tokens: int, eos_ids: Collection[int]) -> Finish:
+@dataclass(frozen=True)
+class SegmentEnd:
+    """How a generate call ended AND where its answer ends: ``keep`` tokens (and their log-probs) of the returned
+    run are the sample's; anything after them was never the model's answer.
+
+    A speculative engine appends a whole accepted run before it tests abort, length and EOS (SGLang 0.5.12,
+    ``scheduler_output_processor_mixin.py`` 552-564): after an abort or at the length cap the run can hold an EOS
+    followed by tokens. Keeping those tokens, or resuming after them, would train text after the answer ended.
+    """
+
+    finish: Finish
+    keep: int
+
+    def cut(self, values: Sequence[T]) -> Sequence[T]:
+        """The answer's part of ``values`` (the call's new token ids, or their log-probs)."""
+        return values[: self.keep]
+
+
+def answer_length(token_ids: Sequence[int], eos_ids: Collection[int]) -> int | None:
+    """Tokens up to and including the first EOS id of ``token_ids``; ``None`` if it holds none."""
+    for index, token in enumerate(token_ids):
+        if int(token) in eos_ids:
+            return index + 1
+    return None
+
+
+def from_vllm(
+    stop_reason: str | None, token_ids: Sequence[int], max_tokens: int, eos_ids: Collection[int]
+) -> SegmentEnd:
     """Map verl's vLLM server output (``TokenOutput.stop_reason``, ``token_ids``) for a call made with
-    ``max_tokens`` to a :class:`Finish`.
+    ``max_tokens`` to a :class:`SegmentEnd`.
 
-    The last token decides before the reason does: an EOS id ends the answer even when the segment is exactly
-    ``max_tokens`` long or was aborted in the same engine step (resuming it would train tokens after its EOS).
-    ``"completed"`` covers both EOS and budget stops: a segment shorter than ``max_tokens`` stopped on a stop string
-    (which vLLM removes from the output), a full-length one hit its budget. ``"aborted"`` with the whole budget used
-    is a budget stop too.
+    An EOS ends the answer wherever it is in the run: at the end even when the segment is exactly ``max_tokens``
+    long or was aborted in the same engine step (resuming it would train tokens after its EOS), and inside the run
+    (vLLM 0.24's scheduler already stops a speculative run at its first stop token, ``check_stop`` per accepted
+    token; the cut makes it hold whatever the server returns). ``"completed"`` covers both EOS and budget stops: a
+    segment shorter than ``max_tokens`` stopped on a stop string (which vLLM removes from the output), a
+    full-length one hit its budget. ``"aborted"`` with the whole budget used is a budget stop too.
     """
     if stop_reason not in ("completed", "aborted"):
         raise ValueError(f"unknown vLLM stop_reason {stop_reason!r}; verl 0.9.1 reports 'completed' or 'aborted'")
-    if _ends_on_eos(token_ids, eos_ids):
-        return Finish.EOS
+    eos_end = answer_length(token_ids, eos_ids)
+    if eos_end is not None:
+        return SegmentEnd(Finish.EOS, eos_end)
     if len(token_ids) >= max_tokens:
-        return Finish.LENGTH
-    return Finish.ABORTED if stop_reason == "aborted" else Finish.STOP
+        return SegmentEnd(Finish.LENGTH, len(token_ids))
+    return SegmentEnd(Finish.ABORTED if stop_reason == "aborted" else Finish.STOP, len(token_ids))
 
 
-def from_sglang(stop_reason: str | None, token_ids: Sequence[int], max_tokens: int, eos_ids: Collection[int]) -> Finish:
-    """Map verl's SGLang server output to a :class:`Finish`.
+def from_sglang(
+    stop_reason: str | None, token_ids: Sequence[int], max_tokens: int, eos_ids: Collection[int]
+) -> SegmentEnd:
+    """Map verl's SGLang server output to a :class:`SegmentEnd`.
 
     SGLang 0.5.12 passes its finish type through, but the type does not say whether the model ended its answer:
     at an abort every running request decodes one more token, and ``Req.check_finished``
     (``sglang/srt/managers/schedule_batch.py``) tests abort before EOS and length, and length before EOS. So the
     extra token may be an EOS (reported "abort"), or the last allowed token (reported "abort"), and an EOS that is a
-    segment's last allowed token is reported "length" (issue 19, failure 3). Hence the last token decides first,
-    then the budget, then the reason.
+    segment's last allowed token is reported "length" (issue 19, failure 3). With speculative decoding the whole
+    accepted run is appended before those tests, so an EOS can sit inside the run, followed by tokens (issue 26,
+    finding 6; 0.5.23 fixed the length case, not the abort case). Hence the first EOS decides first (and cuts the
+    run there), then the budget, then the reason.
     """
     if stop_reason not in ("stop", "length", "abort"):
         raise ValueError(f"unknown SGLang stop_reason {stop_reason!r}; SGLang reports 'stop', 'length' or 'abort'")
-    if _ends_on_eos(token_ids, eos_ids):
-        return Finish.EOS
+    eos_end = answer_length(token_ids, eos_ids)
+    if eos_end is not None:
+        return SegmentEnd(Finish.EOS, eos_end)
     if stop_reason == "length" or len(token_ids) >= max_tokens:
-        return Finish.LENGTH
-    return Finish.ABORTED if stop_reason == "abort" else Finish.STOP
+        return SegmentEnd(Finish.LENGTH, len(token_ids))
+    return SegmentEnd(Finish.ABORTED if stop_reason == "abort" else Finish.STOP, len(token_ids))
 
 
-FinishMapper = Callable[[str | None, Sequence[int], int, Collection[int]], Finish]
+FinishMapper = Callable[[str | None, Sequence[int], int, Collection[int]], SegmentEnd]
 
 # By ``actor_rollout_ref.rollout.name``. Our CPU server reports verl's vLLM shapes, so it shares vLLM's mapper.
 FINISH_MAPPERS: dict[str, FinishMapper] = {"vllm": from_vllm, "sglang": from_sglang, "cpu": from_vllm}

@@ -248,18 +248,19 @@ class PartialAgentLoopWorker(AgentLoopWorker):
         self.sent[call.request_id] = (ref, call.server)
         output = await ref
         raw_ids = list(output.token_ids[: call.max_new_tokens])  # the server's own shape, as the mappers expect
-        new_ids = np.asarray(raw_ids, dtype=TOKEN_DTYPE)
-        if output.log_probs is None or len(output.log_probs) < len(new_ids):
-            if len(new_ids):
+        if output.log_probs is None or len(output.log_probs) < len(raw_ids):
+            if len(raw_ids):
                 raise RuntimeError("partial rollout needs per-token log-probs from the rollout server")
-        new_log_probs = np.asarray((output.log_probs or [])[: len(new_ids)], dtype=LOG_PROB_DTYPE)
         eos_ids = self.eos_from_model | eos_id_set(sampling.get("stop_token_ids"))
-        finish = self.engine.finish(output.stop_reason, raw_ids, call.max_new_tokens, eos_ids)
+        end = self.engine.finish(output.stop_reason, raw_ids, call.max_new_tokens, eos_ids)
+        # Only the answer is parked and trained: a speculative run may carry tokens after its first EOS.
+        new_ids = np.asarray(end.cut(raw_ids), dtype=TOKEN_DTYPE)
+        new_log_probs = np.asarray(end.cut(list(output.log_probs or [])), dtype=LOG_PROB_DTYPE)
         return SegmentAnswer(
             call.request_id,
             new_ids,
             new_log_probs,
-            finish,
+            end.finish,
             output.extra_fields.get("global_steps"),
             prompt_ids=prompt_ids if call.prompt_ids is None else None,
         )
