@@ -25,6 +25,7 @@ The finish mapping itself is :mod:`verl_partial.core.finish`; this module select
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +59,29 @@ class EngineAdapter:
     async def take_back(self, server: Any, request_ids: list[str]) -> None:
         """Abort these calls on ``server`` by request id; each then returns ABORTED with its tokens so far."""
         await getattr(server, TAKE_BACK_METHOD).remote(request_ids)
+
+
+def check_take_back(servers: dict[str, Any], resolve: Callable[[list[Any]], list[Any]]) -> None:
+    """Probe every server's take-back once, before the first call: ``take_back_requests([])`` on each.
+
+    A server without the method (a verl or engine we did not patch), or a vLLM the take-back cannot drive (its own
+    check, :func:`verl_partial.verl_patches.check_vllm_engine`), fails here, naming the server. Found only mid-step
+    it looked like a server that answered, and its calls were retried forever. ``resolve`` is ``ray.get``.
+    """
+    refs, problems = [], []
+    for address, server in servers.items():
+        method = getattr(server, TAKE_BACK_METHOD, None)
+        if method is None:
+            problems.append(f"server {address} has no {TAKE_BACK_METHOD} (verl-partial's patch did not reach it)")
+        else:
+            refs.append((address, method.remote([])))
+    for address, ref in refs:
+        try:
+            resolve([ref])
+        except Exception as error:  # noqa: BLE001 -- every server's failure is collected and raised below
+            problems.append(f"server {address}: {type(error).__name__}: {error}")
+    if problems:
+        raise RuntimeError("partial rollout cannot take calls back on these servers:\n  - " + "\n  - ".join(problems))
 
 
 def engine_adapter(rollout_name: str) -> EngineAdapter:

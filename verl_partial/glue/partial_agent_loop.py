@@ -193,10 +193,17 @@ class PartialAgentLoopWorker(AgentLoopWorker):
                 by_server.setdefault(sent[1], []).append(request_id)
             elif request_id in self.tasks:
                 self.tasks[request_id].cancel()
-        await asyncio.gather(
-            *[self.engine.take_back(self.servers[server], ids) for server, ids in by_server.items()],
-            return_exceptions=True,  # a server that fails the take-back is handled by the driver's escalation
+        servers = list(by_server)
+        outcomes = await asyncio.gather(
+            *[self.engine.take_back(self.servers[server], by_server[server]) for server in servers],
+            return_exceptions=True,  # every server gets its take-back even when another one fails
         )
+        failed = [f"{server}: {type(error).__name__}: {error}" for server, error in zip(servers, outcomes, strict=True)
+                  if isinstance(error, BaseException)]  # fmt: skip
+        if failed:
+            # Never swallowed: a take-back that failed is a broken server or an unsupported engine, not an answer.
+            logger.error("take-back failed on %d server(s): %s", len(failed), "; ".join(failed))
+            raise RuntimeError("take-back failed on: " + "; ".join(failed))
 
     async def cancel_segments(self, request_ids: list[str]) -> None:
         """Drop these calls (last resort): each then answers ABORTED through its stream, with no tokens -- real
