@@ -270,7 +270,9 @@ def check_vllm_engine(engine: Any, version: str) -> None:
         )
     if problems:
         raise UnsupportedVerlError(
-            f"partial rollout cannot drive vLLM {version}: " + "; ".join(problems) + f". Install vLLM {SUPPORTED_VLLM[0]}"
+            f"partial rollout cannot drive vLLM {version}: "
+            + "; ".join(problems)
+            + f". Install vLLM {SUPPORTED_VLLM[0]}"
         )
 
 

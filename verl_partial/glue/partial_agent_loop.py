@@ -34,7 +34,8 @@ from verl.experimental.agent_loop.agent_loop import (
     AgentLoopWorker,
 )
 
-from verl_partial.core.finish import Finish, eos_id_set
+from verl_partial.config import max_positions_of
+from verl_partial.core.finish import Finish, check_model_len, eos_id_set
 from verl_partial.core.pool import LOG_PROB_DTYPE, TOKEN_DTYPE
 from verl_partial.core.trajectory import Trajectory
 from verl_partial.glue.engines import engine_adapter
@@ -110,6 +111,22 @@ def _empty_answer(call: SegmentCall, server_version: int | None = None, error: s
     )
 
 
+def check_loaded_model_len(rollout_config: Any, hf_config: Any) -> None:
+    """The model-length check on the model config verl loaded for this worker (issue 26, finding 7).
+
+    The driver checks before Ray starts when it can read the model's config from local files; a hub id not
+    downloaded yet, or a remote path, is only readable here. Raising here fails the worker's start, before any
+    call: a context too small is never silently accepted.
+    """
+    check_model_len(
+        rollout_config.max_model_len,
+        rollout_config.prompt_length,
+        rollout_config.response_length,
+        max_position_embeddings=max_positions_of(hf_config),
+        rollout_name=str(rollout_config.name),
+    )
+
+
 class PromptBuilder(AgentLoopBase):
     """verl's agent-loop base, used for its continuous-token prompt builder only (never selected as a loop).
 
@@ -127,6 +144,7 @@ class PartialAgentLoopWorker(AgentLoopWorker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.engine = engine_adapter(self.rollout_config.name)
+        check_loaded_model_len(self.rollout_config, self.model_config.hf_config)
         generation_config = self.model_config.generation_config
         self.eos_from_model = eos_id_set(
             self.tokenizer.eos_token_id, getattr(generation_config, "eos_token_id", None) if generation_config else None
