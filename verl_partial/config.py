@@ -20,6 +20,7 @@ from verl_partial.core.finish import check_model_len, finish_mapper
 from verl_partial.core.partial_config import STATE_FILE, PartialConfig
 from verl_partial.core.pool import check_carry_fits
 from verl_partial.cpu_backend.config import BackendConfig
+from verl_partial.v1_only_keys import check_v1_only_keys
 
 T = TypeVar("T")
 
@@ -247,6 +248,9 @@ def check_trainer_path(config: DictConfig) -> None:
     both trainers read.
     """
     if not config.trainer.get("use_v1", False):
+        ours = [f"+{block}" for block in ("partial", "backend", "balance") if config.get(block) is not None]
+        if ours:
+            check_v1_only_keys(config, " and ".join(ours))
         return
     reasons = []
     if config.get("backend") is not None:
