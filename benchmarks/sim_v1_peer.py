@@ -243,11 +243,11 @@ def main() -> None:
         report["gpu"] = gpu_table(args.steps)
         print(markdown(report["gpu"]))
     if args.only != "gpu":
-        from benchmarks.harness import merge_results
+        from benchmarks.bench_peer import load_merged
 
         missing = [str(path) for path in args.peer if not path.exists()]
         if not missing:
-            report["validation"] = validate(merge_results(args.peer), args.validation_steps)
+            report["validation"] = validate(load_merged(args.peer), args.validation_steps)
             print(json.dumps(report["validation"]["ratios"], indent=1))
         else:
             report["validation"] = {"status": f"not validated: {missing} do not exist"}
