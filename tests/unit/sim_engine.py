@@ -538,7 +538,8 @@ class SimEngine:
                 self.tricky[f"{raw}_on_eos"] += 1
             elif raw == "abort" and len(new_ids) == call.request.max_new_tokens:
                 self.tricky["abort_on_last_allowed"] += 1
-        finish = FINISH_MAPPERS[server.engine](raw, new_ids, call.request.max_new_tokens, {EOS})
+        end = FINISH_MAPPERS[server.engine](raw, new_ids, call.request.max_new_tokens, {EOS})
+        new_ids, finish = list(end.cut(new_ids)), end.finish
         start = len(call.prefix)
         return SegmentResult(
             new_ids=np.asarray(new_ids, dtype=np.int32),

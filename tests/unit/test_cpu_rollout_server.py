@@ -177,7 +177,7 @@ def test_stop_reason_is_vllms_completed_for_eos_and_length(demo_assets):
         )
         for output, budget in zip(outputs, budgets, strict=True):
             assert output.stop_reason == "completed"
-            finish = from_vllm(output.stop_reason, output.token_ids, budget, eos_ids)
+            finish = from_vllm(output.stop_reason, output.token_ids, budget, eos_ids).finish
             assert finish in (Finish.EOS, Finish.LENGTH)
             assert (finish is Finish.EOS) == (output.token_ids[-1] in eos_ids)
         assert any(len(o.token_ids) == 6 and o.token_ids[-1] not in eos_ids for o in outputs)  # a budget stop
@@ -360,7 +360,7 @@ class CpuServersBackend:
         return SegmentResult(
             new_ids=np.asarray(output.token_ids, np.int32),
             new_log_probs=np.asarray(output.log_probs or [], np.float32),
-            finish=from_vllm(output.stop_reason, output.token_ids, request.max_new_tokens, self.eos_ids),
+            finish=from_vllm(output.stop_reason, output.token_ids, request.max_new_tokens, self.eos_ids).finish,
             server=request.server,
             server_version=output.extra_fields.get("global_steps"),
             prompt_ids=np.asarray(group.prompt, np.int32),

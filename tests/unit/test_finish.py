@@ -22,7 +22,9 @@ EOS_IDS = eos_id_set(151645, [151645, 151643], None)
 
 
 def _map(mapper, output: TokenOutput, max_tokens: int, eos_ids=EOS_IDS) -> Finish:
-    return mapper(output.stop_reason, output.token_ids, max_tokens, eos_ids)
+    end = mapper(output.stop_reason, output.token_ids, max_tokens, eos_ids)
+    assert end.keep == len(output.token_ids)  # none of these runs holds a token after its answer's end
+    return end.finish
 
 
 def test_eos_ids_are_the_union_of_all_sources():
@@ -148,6 +150,31 @@ def test_mappers_take_numpy_token_arrays():
     import numpy as np
 
     tokens = np.array([5, 6, 151645], dtype=np.int32)
-    assert from_vllm("completed", tokens, 3, EOS_IDS) is Finish.EOS
-    assert from_sglang("stop", tokens, 3, EOS_IDS) is Finish.EOS
-    assert from_vllm("aborted", np.array([], dtype=np.int32), 3, EOS_IDS) is Finish.ABORTED
+    assert from_vllm("completed", tokens, 3, EOS_IDS).finish is Finish.EOS
+    assert from_sglang("stop", tokens, 3, EOS_IDS).finish is Finish.EOS
+    assert from_vllm("aborted", np.array([], dtype=np.int32), 3, EOS_IDS).finish is Finish.ABORTED
+
+
+@pytest.mark.parametrize(
+    ("mapper", "reason", "max_tokens"),
+    [
+        # SGLang 0.5.12 appends a whole accepted speculative run, then tests abort, length, EOS
+        # (scheduler_output_processor_mixin.py 552-564): an abort or the length cap reports the run with its EOS inside.
+        (from_sglang, "abort", 8),
+        (from_sglang, "length", 4),
+        (from_sglang, "stop", 8),
+        # vLLM's speculative path stops at the first stop token itself; whatever its server returns, the cut holds.
+        (from_vllm, "aborted", 8),
+        (from_vllm, "completed", 4),
+    ],
+)
+def test_an_eos_inside_a_speculative_run_ends_the_answer_there(mapper, reason, max_tokens):
+    """Issue 26, finding 6: the run [5, EOS, 6, 7] is an answer of 2 tokens that ended; the old mappers read only the
+    last token, so the sample was parked ABORTED/LENGTH with 4 tokens and resumed after its EOS."""
+    end = mapper(reason, [5, 151643, 6, 7], max_tokens, EOS_IDS)
+    assert end.finish is Finish.EOS
+    assert end.keep == 2
+    assert list(end.cut([5, 151643, 6, 7])) == [5, 151643]
+    assert list(end.cut([-0.1, -0.2, -0.3, -0.4])) == [-0.1, -0.2]
+    # The FIRST EOS ends it, not the last.
+    assert mapper(reason, [151645, 5, 151643], max_tokens, EOS_IDS).keep == 1

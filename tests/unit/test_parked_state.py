@@ -116,7 +116,7 @@ def test_request_ids_are_prefix_free():
 
 
 def test_the_models_positions_come_from_its_local_config(tmp_path: Path):
-    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "max_position_embeddings": 4096}))
     assert model_max_positions(str(tmp_path)) == 4096
     assert model_max_positions(str(tmp_path / "missing")) is None  # a hub id: the workers resolve it later
     assert model_max_positions(None) is None

@@ -73,9 +73,9 @@ def test_each_engine_maps_its_own_stop_reasons():
     eos = {7}
     # Token ids as the servers return them (lists). SGLang says "stop" for an EOS; vLLM (and ours) say "completed"
     # for EOS and budget alike.
-    assert engine_adapter("sglang").finish("stop", [3, 7], 8, eos) is Finish.EOS
-    assert engine_adapter("vllm").finish("completed", [3, 7], 2, eos) is Finish.EOS
-    assert engine_adapter("cpu").finish("completed", [3, 4], 2, eos) is Finish.LENGTH
+    assert engine_adapter("sglang").finish("stop", [3, 7], 8, eos).finish is Finish.EOS
+    assert engine_adapter("vllm").finish("completed", [3, 7], 2, eos).finish is Finish.EOS
+    assert engine_adapter("cpu").finish("completed", [3, 4], 2, eos).finish is Finish.LENGTH
     with pytest.raises(ValueError, match="SGLang"):
         engine_adapter("sglang").finish("completed", [3], 8, eos)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 from collections.abc import Mapping
 from typing import Any, TypeVar
@@ -19,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from verl_partial.config.backend import BackendConfig
 from verl_partial.config.balance import BalanceConfig
 from verl_partial.config.partial import STATE_FILE, PartialConfig
+from verl_partial.config.v1_only_keys import check_v1_only_keys
 from verl_partial.core.engines.adapter import check_model_len, finish_mapper
 from verl_partial.core.partial.pool import check_carry_fits
 
@@ -80,18 +80,35 @@ def balance_config(config: DictConfig) -> BalanceConfig | None:
 PARTIAL_AGENT_LOOPS = ("single_turn_agent", "tool_agent")
 
 
-def model_max_positions(model_path: str | None) -> int | None:
-    """The model's ``max_position_embeddings`` from its local ``config.json``: what vLLM and SGLang use as the
-    context when ``actor_rollout_ref.rollout.max_model_len`` is null (verl's default). None when the path is not a
-    local folder (a hub id resolved later by the workers) or the config does not say."""
+def max_positions_of(hf_config: Any) -> int | None:
+    """The model's ``max_position_embeddings``, found where verl 0.9.1 looks (``workers/rollout/utils.py`` 31-40,
+    ``get_max_position_embeddings``): on the config, else on its ``text_config`` (multimodal models)."""
+    value = getattr(hf_config, "max_position_embeddings", None)
+    if value is None:
+        value = getattr(getattr(hf_config, "text_config", None), "max_position_embeddings", None)
+    return int(value) if value is not None else None
+
+
+def model_max_positions(model_path: str | None, *, trust_remote_code: bool = False) -> int | None:
+    """The model's ``max_position_embeddings``, read here with transformers' ``AutoConfig`` from local files only
+    (a local folder or a hub id already in the HF cache): what vLLM and SGLang use as the context when
+    ``actor_rollout_ref.rollout.max_model_len`` is null (verl's default).
+
+    None when the config cannot be read here (a hub id not downloaded yet, a remote path verl copies later): then
+    :func:`verl_partial.glue.partial_agent_loop.check_loaded_model_len` checks it in every rollout worker, on the
+    config verl has loaded, before the first call -- the check is never skipped, only made later.
+    """
     if not model_path:
         return None
-    config_file = os.path.join(os.path.expanduser(str(model_path)), "config.json")
-    if not os.path.isfile(config_file):
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(
+            os.path.expanduser(str(model_path)), local_files_only=True, trust_remote_code=trust_remote_code
+        )
+    except (OSError, ValueError):  # not on this machine, or a model type this process cannot read
         return None
-    with open(config_file) as handle:
-        value = json.load(handle).get("max_position_embeddings")
-    return int(value) if value is not None else None
+    return max_positions_of(hf_config)
 
 
 def check_partial_against_trainer(config: DictConfig) -> None:
@@ -118,7 +135,10 @@ def check_partial_against_trainer(config: DictConfig) -> None:
         (
             functools.partial(
                 check_model_len,
-                max_position_embeddings=model_max_positions(config.actor_rollout_ref.model.get("path")),
+                max_position_embeddings=model_max_positions(
+                    config.actor_rollout_ref.model.get("path"),
+                    trust_remote_code=bool(config.actor_rollout_ref.model.get("trust_remote_code", False)),
+                ),
                 rollout_name=str(rollout.get("name") or "vllm"),
             ),
             (rollout.get("max_model_len"), config.data.max_prompt_length, config.data.max_response_length),
@@ -228,6 +248,9 @@ def check_trainer_path(config: DictConfig) -> None:
     both trainers read.
     """
     if not config.trainer.get("use_v1", False):
+        ours = [f"+{block}" for block in ("partial", "backend", "balance") if config.get(block) is not None]
+        if ours:
+            check_v1_only_keys(config, " and ".join(ours))
         return
     reasons = []
     if config.get("backend") is not None:

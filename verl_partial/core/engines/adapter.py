@@ -31,9 +31,9 @@ from typing import Any
 
 from verl_partial.core.engines.sglang import from_sglang
 from verl_partial.core.engines.vllm import from_vllm
-from verl_partial.core.partial.finish import Finish
+from verl_partial.core.partial.finish import SegmentEnd
 
-FinishMapper = Callable[[str | None, Sequence[int], int, Collection[int]], Finish]
+FinishMapper = Callable[[str | None, Sequence[int], int, Collection[int]], SegmentEnd]
 # By ``actor_rollout_ref.rollout.name``. Our CPU server reports verl's vLLM shapes, so it shares vLLM's mapper.
 FINISH_MAPPERS: dict[str, FinishMapper] = {"vllm": from_vllm, "sglang": from_sglang, "cpu": from_vllm}
 
@@ -121,6 +121,29 @@ class EngineAdapter:
     async def take_back(self, server: Any, request_ids: list[str]) -> None:
         """Abort these calls on ``server`` by request id; each then returns ABORTED with its tokens so far."""
         await getattr(server, TAKE_BACK_METHOD).remote(request_ids)
+
+
+def check_take_back(servers: dict[str, Any], resolve: Callable[[list[Any]], list[Any]]) -> None:
+    """Probe every server's take-back once, before the first call: ``take_back_requests([])`` on each.
+
+    A server without the method (a verl or engine we did not patch), or a vLLM the take-back cannot drive (its own
+    check, :func:`verl_partial.glue.engines.vllm.check_vllm_engine`), fails here, naming the server. Found only mid-step
+    it looked like a server that answered, and its calls were retried forever. ``resolve`` is ``ray.get``.
+    """
+    refs, problems = [], []
+    for address, server in servers.items():
+        method = getattr(server, TAKE_BACK_METHOD, None)
+        if method is None:
+            problems.append(f"server {address} has no {TAKE_BACK_METHOD} (verl-partial's patch did not reach it)")
+        else:
+            refs.append((address, method.remote([])))
+    for address, ref in refs:
+        try:
+            resolve([ref])
+        except Exception as error:  # noqa: BLE001 -- every server's failure is collected and raised below
+            problems.append(f"server {address}: {type(error).__name__}: {error}")
+    if problems:
+        raise RuntimeError("partial rollout cannot take calls back on these servers:\n  - " + "\n  - ".join(problems))
 
 
 def engine_adapter(rollout_name: str) -> EngineAdapter:

@@ -19,7 +19,9 @@ Both engines stop on every EOS id of the tokenizer *and* of ``generation_config`
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
 from enum import Enum
+from typing import TypeVar
 
 
 class Finish(str, Enum):
@@ -52,5 +54,30 @@ def eos_id_set(*sources: int | Iterable[int] | None) -> frozenset[int]:
     return frozenset(int(token) for token in ids)
 
 
-def _ends_on_eos(token_ids: Sequence[int], eos_ids: Collection[int]) -> bool:
-    return bool(len(token_ids)) and int(token_ids[-1]) in eos_ids
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class SegmentEnd:
+    """How a generate call ended AND where its answer ends: ``keep`` tokens (and their log-probs) of the returned
+    run are the sample's; anything after them was never the model's answer.
+
+    A speculative engine appends a whole accepted run before it tests abort, length and EOS (SGLang 0.5.12,
+    ``scheduler_output_processor_mixin.py`` 552-564): after an abort or at the length cap the run can hold an EOS
+    followed by tokens. Keeping those tokens, or resuming after them, would train text after the answer ended.
+    """
+
+    finish: Finish
+    keep: int
+
+    def cut(self, values: Sequence[T]) -> Sequence[T]:
+        """The answer's part of ``values`` (the call's new token ids, or their log-probs)."""
+        return values[: self.keep]
+
+
+def answer_length(token_ids: Sequence[int], eos_ids: Collection[int]) -> int | None:
+    """Tokens up to and including the first EOS id of ``token_ids``; ``None`` if it holds none."""
+    for index, token in enumerate(token_ids):
+        if int(token) in eos_ids:
+            return index + 1
+    return None

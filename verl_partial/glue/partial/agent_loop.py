@@ -34,7 +34,8 @@ from verl.experimental.agent_loop.agent_loop import (
     AgentLoopWorker,
 )
 
-from verl_partial.core.engines.adapter import engine_adapter
+from verl_partial.config.job import max_positions_of
+from verl_partial.core.engines.adapter import check_model_len, engine_adapter
 from verl_partial.core.partial.finish import Finish, eos_id_set
 from verl_partial.core.partial.pool import LOG_PROB_DTYPE, TOKEN_DTYPE
 from verl_partial.core.partial.trajectory import Trajectory
@@ -110,6 +111,22 @@ def _empty_answer(call: SegmentCall, server_version: int | None = None, error: s
     )
 
 
+def check_loaded_model_len(rollout_config: Any, hf_config: Any) -> None:
+    """The model-length check on the model config verl loaded for this worker (issue 26, finding 7).
+
+    The driver checks before Ray starts when it can read the model's config from local files; a hub id not
+    downloaded yet, or a remote path, is only readable here. Raising here fails the worker's start, before any
+    call: a context too small is never silently accepted.
+    """
+    check_model_len(
+        rollout_config.max_model_len,
+        rollout_config.prompt_length,
+        rollout_config.response_length,
+        max_position_embeddings=max_positions_of(hf_config),
+        rollout_name=str(rollout_config.name),
+    )
+
+
 class PromptBuilder(AgentLoopBase):
     """verl's agent-loop base, used for its continuous-token prompt builder only (never selected as a loop).
 
@@ -127,6 +144,7 @@ class PartialAgentLoopWorker(AgentLoopWorker):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.engine = engine_adapter(self.rollout_config.name)
+        check_loaded_model_len(self.rollout_config, self.model_config.hf_config)
         generation_config = self.model_config.generation_config
         self.eos_from_model = eos_id_set(
             self.tokenizer.eos_token_id, getattr(generation_config, "eos_token_id", None) if generation_config else None
@@ -193,10 +211,17 @@ class PartialAgentLoopWorker(AgentLoopWorker):
                 by_server.setdefault(sent[1], []).append(request_id)
             elif request_id in self.tasks:
                 self.tasks[request_id].cancel()
-        await asyncio.gather(
-            *[self.engine.take_back(self.servers[server], ids) for server, ids in by_server.items()],
-            return_exceptions=True,  # a server that fails the take-back is handled by the driver's escalation
+        servers = list(by_server)
+        outcomes = await asyncio.gather(
+            *[self.engine.take_back(self.servers[server], by_server[server]) for server in servers],
+            return_exceptions=True,  # every server gets its take-back even when another one fails
         )
+        failed = [f"{server}: {type(error).__name__}: {error}" for server, error in zip(servers, outcomes, strict=True)
+                  if isinstance(error, BaseException)]  # fmt: skip
+        if failed:
+            # Never swallowed: a take-back that failed is a broken server or an unsupported engine, not an answer.
+            logger.error("take-back failed on %d server(s): %s", len(failed), "; ".join(failed))
+            raise RuntimeError("take-back failed on: " + "; ".join(failed))
 
     async def cancel_segments(self, request_ids: list[str]) -> None:
         """Drop these calls (last resort): each then answers ABORTED through its stream, with no tokens -- real
@@ -248,18 +273,19 @@ class PartialAgentLoopWorker(AgentLoopWorker):
         self.sent[call.request_id] = (ref, call.server)
         output = await ref
         raw_ids = list(output.token_ids[: call.max_new_tokens])  # the server's own shape, as the mappers expect
-        new_ids = np.asarray(raw_ids, dtype=TOKEN_DTYPE)
-        if output.log_probs is None or len(output.log_probs) < len(new_ids):
-            if len(new_ids):
+        if output.log_probs is None or len(output.log_probs) < len(raw_ids):
+            if len(raw_ids):
                 raise RuntimeError("partial rollout needs per-token log-probs from the rollout server")
-        new_log_probs = np.asarray((output.log_probs or [])[: len(new_ids)], dtype=LOG_PROB_DTYPE)
         eos_ids = self.eos_from_model | eos_id_set(sampling.get("stop_token_ids"))
-        finish = self.engine.finish(output.stop_reason, raw_ids, call.max_new_tokens, eos_ids)
+        end = self.engine.finish(output.stop_reason, raw_ids, call.max_new_tokens, eos_ids)
+        # Only the answer is parked and trained: a speculative run may carry tokens after its first EOS.
+        new_ids = np.asarray(end.cut(raw_ids), dtype=TOKEN_DTYPE)
+        new_log_probs = np.asarray(end.cut(list(output.log_probs or [])), dtype=LOG_PROB_DTYPE)
         return SegmentAnswer(
             call.request_id,
             new_ids,
             new_log_probs,
-            finish,
+            end.finish,
             output.extra_fields.get("global_steps"),
             prompt_ids=prompt_ids if call.prompt_ids is None else None,
         )

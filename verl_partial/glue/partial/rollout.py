@@ -33,7 +33,7 @@ from verl import DataProto
 from verl.experimental.agent_loop.agent_loop import AgentLoopManager
 
 from verl_partial.config.partial import STATE_FILE, PartialConfig
-from verl_partial.core.engines.adapter import engine_adapter
+from verl_partial.core.engines.adapter import check_take_back, engine_adapter
 from verl_partial.core.partial.length_batching import LengthBatcher
 from verl_partial.core.partial.on_policy import length_estimator
 from verl_partial.core.partial.pool import GroupState, RolloutPool, SampleState
@@ -48,6 +48,9 @@ logger = logging.getLogger("verl_partial.partial")
 PARTIAL_KEY = "partial_key"
 VERSION_KEY = "rollout_policy_version"
 META_KEY = "verl_partial"
+# How long validation waits for servers whose step-end abort outlived the step (their resume is chained on it).
+# vLLM's abort waits up to 60 s for its admission barrier, then drains; five times that is a broken server.
+REOPEN_TIMEOUT_S = 300.0
 
 Row = dict[str, Any]
 
@@ -146,6 +149,7 @@ class PartialAgentLoopManager(AgentLoopManager):
         if self._backend is None:
             servers = dict(zip(server_manager.server_addresses, server_manager.server_handles, strict=True))
             ray.get([worker.set_servers.remote(servers) for worker in self.agent_loop_workers])
+            check_take_back(servers, ray.get)  # fails here, before the first call, not mid-step
             self._backend = WorkerSegmentBackend(
                 self.agent_loop_workers,
                 servers,
@@ -179,6 +183,8 @@ class PartialAgentLoopManager(AgentLoopManager):
                     "partial rollout prepared this step's groups but the trainer asked to generate other "
                     "prompts; unsupported trainer path (e.g. REMAX baseline rollouts)"
                 )
+            if self._backend is not None:  # validation right after a step end: the servers must be open again
+                self._backend.wait_reopened(REOPEN_TIMEOUT_S)
             return super().generate_sequences(prompts)
         return self._hand_over(prompts)
 

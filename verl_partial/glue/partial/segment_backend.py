@@ -225,6 +225,24 @@ class WorkerSegmentBackend:
             aborted.add_done_callback(send)
         await _on_loop(resumed)
 
+    def wait_reopened(self, timeout_s: float) -> None:
+        """Block until every server's chained resume has landed (driver thread, outside any step's loop).
+
+        A step end's abort can outlive the step; the server's gate then rejects every call until the resume chained
+        on it lands. verl's validation, sent right after such a step, would be answered with empty "aborted"
+        outputs and score them, silently. Raises, naming the servers, if they are still closed after ``timeout_s``.
+        """
+        pending = {server: resumed for server, resumed in self.resumes.items() if not resumed.done()}
+        if not pending:
+            return
+        _, closed = concurrent.futures.wait(pending.values(), timeout=timeout_s)
+        if closed:
+            names = sorted(server for server, resumed in pending.items() if resumed in closed)
+            raise RuntimeError(
+                f"servers {names} are still closed {timeout_s:.0f} s after the step end (their abort has not "
+                "returned, so their resume was never sent); validation would be answered with empty outputs"
+            )
+
     def reopening(self) -> dict[str, asyncio.Future[None]]:
         return {server: _on_loop(resumed) for server, resumed in self.resumes.items() if not resumed.done()}
 

@@ -131,12 +131,15 @@ class PartialToolAgentLoop(ToolAgentLoop):
             )
         else:
             output = await generate(agent_data.prompt_ids, params)
-        new_ids = [int(token) for token in output.token_ids[:max_new_tokens]]
-        if output.log_probs is None or len(output.log_probs) < len(new_ids):
+        raw_ids = [int(token) for token in output.token_ids[:max_new_tokens]]
+        if output.log_probs is None or len(output.log_probs) < len(raw_ids):
             raise RuntimeError("partial rollout needs per-token log-probs from the rollout server")
-        log_probs = [float(value) for value in output.log_probs[: len(new_ids)]]
         stops = eos_id_set(eos_ids, params.get("stop_token_ids"))
-        finish = finish_mapper(self.rollout_config.name)(output.stop_reason, new_ids, max_new_tokens, stops)
+        end = finish_mapper(self.rollout_config.name)(output.stop_reason, raw_ids, max_new_tokens, stops)
+        finish = end.finish
+        # Only the answer joins the trajectory: a speculative run may carry tokens after its first EOS.
+        new_ids = list(end.cut(raw_ids))
+        log_probs = [float(value) for value in end.cut(output.log_probs)]
         # As verl: the first call's extra fields are kept, later calls only raise max_global_steps.
         extra_fields = traj.extra.setdefault(_EXTRA_FIELDS, {})
         if not extra_fields:
