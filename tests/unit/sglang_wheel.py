@@ -40,7 +40,9 @@ WHEEL_DIR = Path(os.environ.get("VERL_PARTIAL_SGLANG_WHEELS", REPO / ".cache" / 
 REQUIRE_ENV = "VERL_PARTIAL_REQUIRE_SGLANG_WHEELS"
 MANAGERS = "sglang/srt/managers/"
 # ``file@version:lines "fragment"``: a citation of SGLang's source (the double's and the glue's).
-CITATION = re.compile(r"(?P<file>[\w/]+\.py)@(?P<version>\d+\.\d+\.\d+):(?P<first>\d+)(?:-(?P<last>\d+))?\s+\"(?P<fragment>[^\"]+)\"")
+CITATION = re.compile(
+    r"(?P<file>[\w/]+\.py)@(?P<version>\d+\.\d+\.\d+):(?P<first>\d+)(?:-(?P<last>\d+))?[\s#]+\"(?P<fragment>[^\"]+)\""
+)
 
 
 def wheel_path(version: str) -> Path:
@@ -315,6 +317,13 @@ class WheelSglang:
             def _get_scheduler_first_token_time(*args: Any) -> None:
                 return None
 
+            def generate_request(self, obj: dict[str, Any], request: Any = None):
+                return harness.generate_request(obj, request)
+
+            async def release_memory_occupation(self, obj: Any, request: Any = None) -> None:
+                """scheduler_update_weights_mixin.py@0.5.12:130-132 "self.is_fully_idle()" (hand-written)."""
+                assert harness.idle(), "release_memory_occupation should be called only when server is idle."
+
         for name, method in loaded.items():
             setattr(TokenizerManager, name, method)
         return TokenizerManager()
@@ -407,7 +416,7 @@ class WheelSglang:
         if isinstance(obj, AbortReq):
             self.scheduler.abort_request(obj)
 
-    def pump(self) -> None:
+    async def pump(self) -> None:
         """The tokenizer's ``handle_loop``: deliver what the scheduler sent, in order; the first exception is the
         server's end (``print_exception_wrapper``), after which nothing is handled."""
         while self._inbox and self.crash is None:
@@ -416,9 +425,26 @@ class WheelSglang:
                 if kind == "abort":
                     self.tm._handle_abort_req(obj)
                 else:
-                    asyncio.run(self.tm._handle_batch_output(obj))
+                    await self.tm._handle_batch_output(obj)
             except Exception as error:  # noqa: BLE001 - what SGLang's wrapper catches
                 self.crash = error
+        await asyncio.sleep(0)  # let the woken callers run
+
+    async def generate_request(self, obj: dict[str, Any], request: Any = None):
+        """``generate_request`` + ``_wait_one_response`` for one non-streaming request, as verl's server calls it:
+        the state is registered and the request sent (:meth:`submit`), then the caller waits for its output."""
+        sampling = obj["sampling_params"]
+        self.submit(obj["rid"], sampling.get("max_new_tokens", 8), sampling.get("ignore_eos", True))
+        state = self.tm.rid_to_state[obj["rid"]]
+        while not state.out_list:
+            await state.event.wait()
+            state.event.clear()
+        yield state.out_list[-1]
+
+    def idle(self) -> bool:
+        """``Scheduler.is_fully_idle``: nothing queued, running or mid chunked prefill."""
+        scheduler = self.scheduler
+        return not (scheduler.waiting_queue or scheduler.running_batch.reqs or scheduler.chunked_req)
 
     # ------------------------------------------------------------------ what a server does with requests
     def submit(self, rid: str, max_new_tokens: int = 8, ignore_eos: bool = True) -> None:
@@ -435,8 +461,8 @@ class WheelSglang:
 
     def step(self, token: int = 7) -> None:
         """One scheduler iteration: queued requests join the running batch up to ``max_running``, every running one
-        decodes ``token`` and ``Req.check_finished`` (the wheel's; ``update_finish_state`` in 0.5.23) judges it; a finished one leaves the batch and its
-        output goes to the tokenizer (non-streaming: one output, at the finish)."""
+        decodes ``token`` and ``Req.check_finished`` (the wheel's; ``update_finish_state`` in 0.5.23) judges it; a
+        finished one leaves the batch and its output goes to the tokenizer (non-streaming: one output, at the end)."""
         scheduler = self.scheduler
         while scheduler.waiting_queue and len(scheduler.running_batch.reqs) < self.max_running:
             scheduler.running_batch.reqs.append(scheduler.waiting_queue.pop(0))
