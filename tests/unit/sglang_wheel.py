@@ -241,6 +241,7 @@ class WheelSglang:
         self.eos_token_ids = set(eos_token_ids)
         self.crash: BaseException | None = None
         self._inbox: list[tuple[str, Any]] = []
+        self.sent_aborts: list[str] = []  # the ids of the aborts that reached the scheduler
         self.tm = self._tokenizer_manager()
         self.scheduler = self._scheduler()
 
@@ -414,6 +415,7 @@ class WheelSglang:
     # ------------------------------------------------------------------ the wiring
     def _to_scheduler(self, obj: Any) -> None:
         if isinstance(obj, AbortReq):
+            self.sent_aborts.append(obj.rid)
             self.scheduler.abort_request(obj)
 
     async def pump(self) -> None:

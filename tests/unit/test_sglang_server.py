@@ -282,7 +282,7 @@ def test_fixed_cancel_resends_an_abort_that_missed_a_chunked_prefill_and_sleep_w
     from verl_partial.glue import sglang_server
 
     resend_s = 5 * STEP_S  # re-sends within the answer's 40 steps
-    monkeypatch.setattr(sglang_server, "ABORT_RESEND_S", resend_s)
+    monkeypatch.setattr(sglang_server, "ABORT_RESEND_S", resend_s, raising=False)
 
     async def main():
         server = make(demo_assets)
