@@ -7,6 +7,8 @@ cannot hold both, so the vLLM tier gets its own virtualenv under ``.nox/``.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import nox
 
 nox.options.sessions = ["tests", "vllm"]
@@ -81,13 +83,36 @@ VLLM_RUNTIME = [
 ]
 
 
+# The SGLang conformance tier (tests/unit/test_sglang_conformance.py) executes SGLang's own functions read from these
+# wheels; nothing installs them. One fixed wheel per version (the cp311 manylinux build, whatever the host), kept in
+# a cache directory that survives `nox` runs; the download is skipped when the wheel is there.
+SGLANG_VERSIONS = ("0.5.12", "0.5.23")  # verl 0.9.1's pin, and the newest read
+SGLANG_WHEEL_DIR = Path(".cache/sglang-wheels")
+
+
+def _download_sglang_wheels(session: nox.Session) -> Path:
+    wheel_dir = SGLANG_WHEEL_DIR.resolve()
+    for version in SGLANG_VERSIONS:
+        if any(wheel_dir.glob(f"sglang-{version}-*.whl")):
+            continue
+        session.run(
+            "python", "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+            "--python-version", "3.11", "--platform", "manylinux_2_34_x86_64",
+            f"sglang=={version}", "-d", str(wheel_dir),
+        )  # fmt: skip
+    return wheel_dir
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Unit and CPU-engine end-to-end tests (torch 2.13); everything but the vLLM tier."""
+    """Unit and CPU-engine end-to-end tests (torch 2.13); everything but the vLLM tier, with the SGLang conformance
+    tier, whose wheels are downloaded here and required (a missing wheel fails the tier, never skips it)."""
     # First and alone, so pip takes the CPU wheel and never pulls torch's CUDA build.
     session.install("torch==2.13.0")
     session.install(".[test]")
-    session.run("pytest", "-m", "not vllm", *session.posargs)
+    wheel_dir = _download_sglang_wheels(session)
+    env = {"VERL_PARTIAL_SGLANG_WHEELS": str(wheel_dir), "VERL_PARTIAL_REQUIRE_SGLANG_WHEELS": "1"}
+    session.run("pytest", "-m", "not vllm", *session.posargs, env=env)
 
 
 @nox.session

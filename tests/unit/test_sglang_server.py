@@ -238,6 +238,71 @@ def test_a_call_cancelled_while_parked_leaks_its_state_unless_fixed(demo_assets,
     run_virtual(main())
 
 
+@pytest.mark.parametrize("cls, leaked", [(CpuSglangServer, 2), (FixedCpuSglangServer, 0)])
+def test_calls_aborted_while_queued_leave_no_state_unless_unfixed(demo_assets, cls, leaked):
+    """SGLang 0.5.12's _handle_abort_req marks an aborted queued request finished and never deletes its state: each
+    call taken back (here: verl's abort-all) while queued leaks its entry. The fix drops it when the call returns."""
+
+    async def main():
+        server = make(demo_assets, cls, max_num_seqs=1)
+        calls = [call(server, f"r{i}/") for i in range(3)]
+        await server.engine.wait_until(lambda: tokens(server, "r0/") >= 2)
+        await server.abort_all_requests()
+        outputs = [await c for c in calls]
+        assert [len(o.token_ids) for o in outputs[1:]] == [0, 0] and outputs[0].stop_reason == "abort"
+        await server.resume_generation()
+        stats = server.tokenizer_manager.stats()
+        assert (stats.leaked_request_states, stats.request_states, stats.died) == (leaked, leaked, False)
+
+    run_virtual(main())
+
+
+def test_fixed_cancel_of_a_queued_call_keeps_its_state_until_the_abort_echo(demo_assets):
+    """A cancelled queued call: the scheduler echoes its abort, and the tokenizer's handler indexes rid_to_state
+    without a guard. The fix keeps the state until the echo is handled, then drops it: the server lives on."""
+
+    async def main():
+        server = make(demo_assets, max_num_seqs=1)
+        running, queued = call(server, "run/"), call(server, "queued/")
+        await server.engine.wait_until(lambda: tokens(server, "run/") >= 2)
+        queued.cancel()
+        await asyncio.gather(queued, return_exceptions=True)
+        assert not server.tokenizer_manager.stats().died
+        out = await running
+        assert len(out.token_ids) == 40
+        stats = server.tokenizer_manager.stats()
+        assert (stats.died, stats.request_states) == (False, 0)
+        await server.sleep()
+
+    run_virtual(main())
+
+
+def test_fixed_cancel_resends_an_abort_that_missed_a_chunked_prefill_and_sleep_waits(demo_assets, monkeypatch):
+    """SGLang 0.5.12's abort misses a request between two chunks of its prefill: it decodes on. The fix re-sends the
+    abort every ABORT_RESEND_S until it is answered, and sleep (release_memory_occupation's idle assert) waits."""
+    from verl_partial.glue.engines import sglang as sglang_server
+
+    resend_s = 5 * STEP_S  # re-sends within the answer's 40 steps
+    monkeypatch.setattr(sglang_server, "ABORT_RESEND_S", resend_s, raising=False)
+
+    async def main():
+        server = make(demo_assets)
+        running = call(server, "c/")
+        await server.engine.wait_until(lambda: tokens(server, "c/") >= 2)
+        server.tokenizer_manager.between_chunks.add("c/")
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
+        sleeping = asyncio.ensure_future(server.sleep())
+        await asyncio.sleep(resend_s * 2.5)
+        assert not sleeping.done() and server.engine.num_running == 1  # missed twice: still decoding
+        server.tokenizer_manager.between_chunks.discard("c/")  # its prefill's last chunk
+        await sleeping  # the next re-send ends it; sleep then finds the scheduler idle
+        assert server.engine.is_idle and server.tokenizer_manager.stats().request_states == 0
+        assert server.engine.stats.generated_tokens < 40
+
+    run_virtual(main())
+
+
 def test_take_back_matches_ids_by_prefix_so_ids_must_be_prefix_free(demo_assets):
     """Scheduler.abort_request ends every request whose id starts with the given one: "g/1" also ends "g/10";
     with terminated ids ("g/1/") only the named call ends. Running: tokens + 1; queued: none; unknown: untouched."""

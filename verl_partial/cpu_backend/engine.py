@@ -16,11 +16,15 @@ What makes it behave like a real serving engine (and so makes partial rollout's 
   - ``"vllm"`` (vLLM 0.24 v1 engine): an abort ends a request at once with its tokens so far (a queued one with
     none); EOS is checked before the length cap (``vllm/v1/core/sched/utils.py``, ``check_stop``).
   - ``"sglang"`` (SGLang 0.5.12): an abort of a *running* request only sets ``to_finish``; the request decodes one
-    more token, then ``Req.check_finished`` ends it as aborted (``scheduler.py``, ``Scheduler.abort_request``,
-    "Abort method 3"); a queued one leaves with no tokens ("Abort method 1"). ``check_finished``
-    (``schedule_batch.py``) tests ``to_finish`` first, then ``max_new_tokens``, then EOS
-    (``_check_token_based_finish``); a length finish keeps ``finished_len = max_new_tokens`` tokens, so
-    ``max_new_tokens=0`` is allowed and answers 0 tokens with "length".
+    more token, then ``Req.check_finished`` ends it as aborted (scheduler.py@0.5.12:3651-3655 "Abort method 3: set
+    `to_finish`"); a queued one leaves with no tokens (scheduler.py@0.5.12:3567-3570 "self.waiting_queue.pop(i)").
+    ``check_finished`` tests ``to_finish`` first (schedule_batch.py@0.5.12:1217 "if self.to_finish:"), then
+    ``max_new_tokens`` (schedule_batch.py@0.5.12:1222 "if len(self.output_ids) >=
+    self.sampling_params.max_new_tokens:"), then EOS (schedule_batch.py@0.5.12:1236
+    "if self._check_token_based_finish(new_accepted_tokens):"); a length finish keeps ``finished_len =
+    max_new_tokens`` tokens (schedule_batch.py@0.5.12:1226 "self.finished_len = self.sampling_params.max_new_tokens"),
+    so ``max_new_tokens=0`` is allowed and answers 0 tokens with "length". The conformance tier runs the 0.5.12
+    wheel's own ``check_finished`` beside this.
 
 Log-prob semantics follow verl 0.9.1's vLLM rollout, which starts vLLM with ``logprobs_mode="processed_logprobs"``
 (``actor_rollout_ref.rollout.logprobs_mode`` default): the log-prob of the sampled token under the distribution it
@@ -338,7 +342,7 @@ class CpuBatchedEngine:
 
     def _abort(self, request: EngineRequest) -> None:
         if self.semantics == "sglang" and request in self._slots:
-            # SGLang's Scheduler.abort_request, "Abort method 3: set `to_finish`": one more decode step.
+            # scheduler.py@0.5.12:3651 "Abort method 3: set `to_finish`": one more decode step.
             request.to_finish = True
             self._wake()
         else:
@@ -513,10 +517,11 @@ class CpuBatchedEngine:
     def _check_finished(self, request: EngineRequest, token: int) -> StopReason | None:
         """The engine's stop check after appending ``token``.
 
-        vLLM (``vllm/v1/core/sched/utils.py``, ``check_stop``): EOS before the length cap. SGLang
-        (``schedule_batch.py``, ``Req.check_finished``): ``to_finish`` (abort), then ``max_new_tokens`` (keeping
-        ``finished_len = max_new_tokens`` tokens), then EOS -- an EOS that is the last allowed token says "length",
-        and the extra token after an abort says "abort" even when it is EOS.
+        vLLM (``vllm/v1/core/sched/utils.py``, ``check_stop``): EOS before the length cap. SGLang 0.5.12
+        (schedule_batch.py@0.5.12:1213 "def check_finished(self, new_accepted_len: int = 1):"): ``to_finish``
+        (abort), then ``max_new_tokens`` (keeping ``finished_len = max_new_tokens`` tokens), then EOS -- an EOS that
+        is the last allowed token says "length", and the extra token after an abort says "abort" even when it is EOS.
+        (0.5.23 checks EOS before the cap: schedule_batch.py@0.5.23:2034 "if self._check_token_based_finish".)
         """
         eos = token in self.eos_token_ids and not request.params.ignore_eos
         at_length = (

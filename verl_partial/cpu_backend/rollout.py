@@ -362,106 +362,199 @@ class CpuRolloutServer(_CpuServerBase):
 # this double copies the behaviour the scheduler has to survive, line by line, from the cited sources.
 # --------------------------------------------------------------------------------------------------------------
 
-# SGLang's FINISH_MATCHED_TOKEN / FINISH_LENGTH / FINISH_ABORT ``to_json()["type"]`` (schedule_batch.py).
+# The ``to_json()["type"]`` of SGLang's finish types FINISH_MATCHED_TOKEN (schedule_batch.py@0.5.12:140
+# "class FINISH_MATCHED_TOKEN(BaseFinishReason):"), FINISH_LENGTH (schedule_batch.py@0.5.12:176
+# "class FINISH_LENGTH(BaseFinishReason):") and FINISH_ABORT (schedule_batch.py@0.5.12:188
+# "class FINISH_ABORT(BaseFinishReason):").
 _SGLANG_FINISH_TYPE: dict[str, str] = {"completed": "stop", "length": "length", "aborted": "abort"}
 # TokenizerManager.pause_generation(mode="abort") re-sends the abort every second until no request holds the
-# model-update reader lock.
+# model-update reader lock (tokenizer_manager.py@0.5.12:1513 "await asyncio.sleep(1.0)").
 SGLANG_PAUSE_POLL_S = 1.0
-# sglang/srt/sampling/sampling_params.py: SamplingParams(max_new_tokens=128) when a request names none.
+# SamplingParams(max_new_tokens=128) when a request names none (sglang/srt/sampling/sampling_params.py@0.5.12:42
+# "max_new_tokens: int = 128,").
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
+
+
+class SglangServerDied(RuntimeError):
+    """The double's TokenizerManager hit an exception in its output handling: SGLang's ``handle_loop`` runs under
+    ``print_exception_wrapper``, which kills the server's process tree (tokenizer_manager.py@0.5.12:2755
+    "kill_process_tree(os.getpid(), include_parent=True)"). Every later call on the double raises this."""
+
+
+@dataclasses.dataclass
+class SglangTimeStats:
+    """``APIServerReqTimeStats``' stamp of the send to the scheduler (tokenizer_manager.py@0.5.12:1187
+    "tokenized_obj.time_stats.set_api_server_dispatch_time()")."""
+
+    api_server_dispatch_time: float = 0.0
+
+
+@dataclasses.dataclass(eq=False)
+class SglangReqState:
+    """``ReqState`` (tokenizer_manager.py@0.5.12:135-140 "out_list: List[Dict[Any, Any]]"): the outputs for the
+    caller, ``finished``, the event the caller waits on, the request; ``handle`` is the double's engine request."""
+
+    out_list: list[dict[str, Any]]
+    finished: bool
+    event: asyncio.Event
+    obj: Mapping[str, Any]
+    time_stats: SglangTimeStats
+    handle: EngineRequest | None = None
 
 
 @dataclasses.dataclass
 class SglangTokenizerStats:
-    """What the double's TokenizerManager holds: ``rid_to_state`` entries, and how many of them belong to calls
-    cancelled while parked at the pause gate (never sent to the scheduler, so nothing ever deletes them)."""
+    """What the double's TokenizerManager holds: ``rid_to_state`` entries; of them, those nothing in SGLang will
+    ever delete (answered but left, or abandoned before the send); whether it died (:class:`SglangServerDied`)."""
 
     request_states: int
     leaked_request_states: int
     in_flight: int
     paused: bool
+    died: bool
 
 
 class SglangTokenizerManager:
-    """SGLang 0.5.12 ``TokenizerManager`` (``sglang/srt/managers/tokenizer_manager.py``) as verl's
+    """SGLang 0.5.12 ``TokenizerManager`` (tokenizer_manager.py@0.5.12:216 "class TokenizerManager") as verl's
     ``SGLangHttpServer`` uses it, with the engine (SGLang semantics) standing in for the scheduler process. The
     methods take SGLang's call shapes (a request's fields as a mapping, ``obj.mode`` of the pause, ``(obj, request)``
-    of the memory calls), so verl's own ``SGLangHttpServer`` methods can run over it unchanged.
+    of the memory calls), so verl's own ``SGLangHttpServer`` methods can run over it unchanged. The conformance tier
+    (``tests/unit/test_sglang_conformance.py``) runs the 0.5.12 wheel's own functions beside it.
 
-    * ``generate_request`` registers the request state *before* the pause gate (``_init_req_state``), then parks
-      at ``is_pause_cond`` while paused, then holds the model-update reader lock while the scheduler runs it. It has
-      no ``CancelledError`` handler: a cancelled caller leaves the request decoding (and its state in
-      ``rid_to_state`` until the scheduler finishes it), and a caller cancelled while parked leaves its state
-      forever.
-    * ``abort_request(rid)`` returns unless ``rid`` is in ``rid_to_state``; the scheduler then ends every request
-      whose id *starts with* ``rid`` (``Scheduler.abort_request``): queued ones with no tokens, running ones after
-      one more token.
+    * ``generate_request`` registers the request state *before* the pause gate (tokenizer_manager.py@0.5.12:538
+      "self._init_req_state(obj, request)"), parks at ``is_pause_cond`` while paused (tokenizer_manager.py@0.5.12:548
+      "await self.is_pause_cond.wait_for(lambda: not self.is_pause)"), then holds the model-update reader lock while
+      the scheduler runs it. It has no ``CancelledError`` handler: a cancelled caller leaves the request decoding,
+      and a caller cancelled while parked leaves its state forever.
+    * ``abort_request(rid)`` returns unless ``rid`` is in ``rid_to_state`` (tokenizer_manager.py@0.5.12:1490
+      "if not abort_all and rid not in self.rid_to_state:"); the scheduler then ends every request whose id *starts
+      with* ``rid``: a queued one is popped and the abort is echoed to the tokenizer (scheduler.py@0.5.12:3574
+      "self.send_to_tokenizer.send_output(AbortReq(rid=req.rid), req)"), a running one decodes one more token
+      (scheduler.py@0.5.12:3655 "req.to_finish = FINISH_ABORT()"). A request between two chunks of a chunked
+      prefill is in neither batch the scheduler searches (scheduler.py@0.5.12:3642-3645
+      "reqs = self.running_batch.reqs"): the abort misses it. The double has no chunked prefill; ``between_chunks``
+      names the requests an abort is to miss that way.
+    * The echo's handler indexes the table without a guard (tokenizer_manager.py@0.5.12:2420
+      "state = self.rid_to_state[recv_obj.rid]"): for a state deleted meanwhile the KeyError kills the server
+      (:class:`SglangServerDied`). It marks the state finished (tokenizer_manager.py@0.5.12:2421
+      "state.finished = True") and never deletes it. A scheduler output finishing a request deletes its state
+      (tokenizer_manager.py@0.5.12:1871 "del self.rid_to_state[rid]"), and one for a deleted state is skipped
+      (tokenizer_manager.py@0.5.12:1671 "state = self.rid_to_state.get(rid, None)").
     * ``pause_generation(mode="abort")`` sets ``is_pause`` (late arrivals park; there is no reject) and re-sends
-      abort-all every ``SGLANG_PAUSE_POLL_S`` until no request holds the reader lock. ``continue_generation``
-      reopens the gate.
+      abort-all every ``SGLANG_PAUSE_POLL_S`` until no request holds the reader lock (tokenizer_manager.py@0.5.12:1509
+      "self.abort_request(abort_all=True)"). ``continue_generation`` reopens the gate.
     * ``release_memory_occupation`` asserts the scheduler is fully idle
-      (``scheduler_update_weights_mixin.py``, ``release_memory_occupation``).
+      (scheduler_update_weights_mixin.py@0.5.12:130-132 "self.is_fully_idle()").
     """
 
     def __init__(self, engine: CpuBatchedEngine) -> None:
         self.engine = engine
-        self.rid_to_state: dict[str, EngineRequest | None] = {}  # None: not yet sent to the scheduler
+        self.rid_to_state: dict[str, SglangReqState] = {}
         self.is_pause = False
         self.is_pause_cond = asyncio.Condition()
+        self.between_chunks: set[str] = set()
+        self.died: BaseException | None = None
         self._in_flight = 0  # holders of model_update_lock.reader_lock
-        self._cancelled_parked: set[str] = set()
+        self._abandoned: set[str] = set()  # cancelled before the send: no output will ever delete their state
+        self._awaited: set[SglangReqState] = set()  # states whose caller waits for an output (woken if it dies)
+
+    def _alive(self) -> None:
+        if self.died is not None:
+            raise SglangServerDied(f"SGLang's TokenizerManager died: {self.died!r}") from self.died
 
     async def generate_request(self, obj: Mapping[str, Any], request: Any = None) -> AsyncIterator[dict[str, Any]]:
         """``TokenizerManager.generate_request`` + ``_wait_one_response`` for one non-streaming text request
         (``obj``: ``GenerateReqInput``'s fields)."""
+        self._alive()
         if obj.get("image_data") or obj.get("video_data"):
             raise ValueError("the CPU rollout backend is text-only")
         rid = obj["rid"]
         params = to_engine_params(dict(obj["sampling_params"]), default_max_tokens=SGLANG_DEFAULT_MAX_NEW_TOKENS)
-        if rid in self.rid_to_state:  # _init_req_state
+        if rid in self.rid_to_state:  # tokenizer_manager.py@0.5.12:2594-2595 "if rid in self.rid_to_state:"
             raise ValueError(f"Duplicate request ID detected: {rid}")
-        self.rid_to_state[rid] = None
+        state = SglangReqState([], False, asyncio.Event(), obj, SglangTimeStats())
+        self.rid_to_state[rid] = state
         try:
             async with self.is_pause_cond:
                 await self.is_pause_cond.wait_for(lambda: not self.is_pause)
         except asyncio.CancelledError:
-            self._cancelled_parked.add(rid)  # no handler in SGLang: the state stays unless someone deletes it
+            self._abandoned.add(rid)
             raise
         self._in_flight += 1
         try:
-            handle = self.engine.submit(rid, [int(token) for token in obj["input_ids"]], params)
-            self.rid_to_state[rid] = handle
-            # _handle_batch_output / _handle_abort_req delete the state when the scheduler reports the finish.
-            handle.future.add_done_callback(lambda _: self._forget(rid, handle))
-            result = await asyncio.shield(handle.future)
+            self._alive()
+            state.handle = self.engine.submit(rid, [int(token) for token in obj["input_ids"]], params)
+            state.time_stats.api_server_dispatch_time = asyncio.get_running_loop().time() or 1e-9
+            handle = state.handle
+            handle.future.add_done_callback(lambda _: self._scheduler_output(rid, handle))
+            self._awaited.add(state)
+            while not state.out_list:  # _wait_one_response
+                await state.event.wait()
+                state.event.clear()
+                self._alive()
+            out = state.out_list[-1]
         finally:
+            self._awaited.discard(state)
             self._in_flight -= 1
-        yield self._output(rid, result, params.max_tokens, bool(obj.get("return_logprob", False)))
+        yield out
 
-    def _forget(self, rid: str, handle: EngineRequest) -> None:
-        if self.rid_to_state.get(rid) is handle:
-            del self.rid_to_state[rid]
+    def _scheduler_output(self, rid: str, handle: EngineRequest) -> None:
+        """What reaches the tokenizer's ``handle_loop`` when the scheduler ends a request: the echo of an abort
+        while queued (never ran: no ``to_finish``), else the request's final output."""
+        if self.died is not None:
+            return
+        result = handle.future.result()
+        try:
+            if result.stop_reason == "aborted" and not handle.to_finish:
+                self._handle_abort_req(rid)
+            else:
+                self._handle_batch_output(rid, result)
+        except Exception as error:  # noqa: BLE001 - print_exception_wrapper catches any Exception
+            logger.error("SGLang double: TokenizerManager hit an exception: %r; the server dies", error)
+            self.died = error
+            for state in self._awaited:
+                state.event.set()
 
-    @staticmethod
-    def _output(rid: str, result: GenerationResult, max_new_tokens: int, return_logprob: bool) -> dict[str, Any]:
+    def _handle_abort_req(self, rid: str) -> None:
+        """tokenizer_manager.py@0.5.12:2417-2421 "def _handle_abort_req(self, recv_obj: AbortReq):": no guard, no
+        delete; the caller gets no tokens and "abort" ("Abort in waiting queue")."""
+        state = self.rid_to_state[rid]
+        state.finished = True
+        meta_info: dict[str, Any] = {"id": rid, "finish_reason": {"type": "abort"}}
+        if state.obj.get("return_logprob", False):
+            meta_info["output_token_logprobs"] = []
+        state.out_list.append({"output_ids": [], "meta_info": meta_info})
+        state.event.set()
+
+    def _handle_batch_output(self, rid: str, result: GenerationResult) -> None:
+        """tokenizer_manager.py@0.5.12:1660 "async def _handle_batch_output(" for a finished request."""
+        state = self.rid_to_state.get(rid, None)
+        if state is None:
+            logger.error("Received output for rid=%r but the state was deleted in TokenizerManager.", rid)
+            return
+        state.finished = True
+        del self.rid_to_state[rid]
         meta_info: dict[str, Any] = {"id": rid, "finish_reason": {"type": _SGLANG_FINISH_TYPE[result.stop_reason]}}
-        if return_logprob:
+        if state.obj.get("return_logprob", False):
             entries = [
                 (log_prob, token, None) for log_prob, token in zip(result.log_probs, result.token_ids, strict=True)
             ]
-            if max_new_tokens == 0:
+            if state.handle is not None and state.handle.params.max_tokens == 0:
                 # verl's SGLangHttpServer.generate: "max_new_tokens=0 produces a phantom logprob entry with empty
                 # output_ids" (the prefill's token, cut by finished_len = 0).
                 entries = [(0.0, 0, None)]
             meta_info["output_token_logprobs"] = entries
-        return {"output_ids": list(result.token_ids), "meta_info": meta_info}
+        state.out_list.append({"output_ids": list(result.token_ids), "meta_info": meta_info})
+        state.event.set()
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
-        """``TokenizerManager.abort_request`` then ``Scheduler.abort_request``: ids matched by prefix."""
+        """``TokenizerManager.abort_request`` then ``Scheduler.abort_request``: ids matched by prefix
+        (scheduler.py@0.5.12:3562 "if recv_req.abort_all or req.rid.startswith(recv_req.rid):")."""
+        self._alive()
         if not abort_all and rid not in self.rid_to_state:
             return
         for request_id in self.engine.request_ids:
-            if abort_all or request_id.startswith(rid):
+            if (abort_all or request_id.startswith(rid)) and request_id not in self.between_chunks:
                 self.engine.abort_nowait(request_id)
 
     async def pause_generation(self, obj: Any) -> None:
@@ -484,11 +577,13 @@ class SglangTokenizerManager:
 
     async def release_memory_occupation(self, obj: Any, request: Any = None) -> None:
         """``Scheduler.release_memory_occupation``: ``assert self.is_fully_idle()``."""
+        self._alive()
         assert self.engine.is_idle, "release_memory_occupation should be called only when server is idle."
 
     def stats(self) -> SglangTokenizerStats:
-        leaked = sum(rid in self.rid_to_state for rid in self._cancelled_parked)
-        return SglangTokenizerStats(len(self.rid_to_state), leaked, self._in_flight, self.is_pause)
+        leaked = sum(state.finished or rid in self._abandoned for rid, state in self.rid_to_state.items())
+        died = self.died is not None
+        return SglangTokenizerStats(len(self.rid_to_state), leaked, self._in_flight, self.is_pause, died)
 
 
 class CpuSglangServer(_CpuServerBase):

@@ -14,27 +14,58 @@ What SGLang 0.5.12 behind verl's ``sglang_rollout/async_sglang_server.py`` lacks
 * **Cancel does not stop generation.** ``generate_request`` / ``_wait_one_response`` have no ``CancelledError``
   handler and send no abort: a Ray-cancelled call keeps decoding and holding KV until it ends (an orphan at
   ``release_memory_occupation`` trips its idle assert), and one cancelled while parked at the pause gate leaves its
-  ``rid_to_state`` entry forever. Fixed: a cancelled ``generate`` sends ``abort_request(rid)`` and drops the
-  request's state before re-raising, as vLLM does on cancel.
+  ``rid_to_state`` entry forever. Fixed: a cancelled ``generate`` ends its request (:func:`_cancel`), the way
+  SGLang 0.5.23 itself cleans up after a failed handler (tokenizer_manager.py@0.5.23:3853-3854 "Undelivered states
+  are removed locally. Dispatched requests are aborted"): a state never sent to the scheduler is dropped at once; a
+  sent one is aborted and kept until SGLang has answered the abort, then dropped. Dropping a sent state before the
+  answer kills SGLang 0.5.12: the scheduler echoes the abort of a queued request (scheduler.py@0.5.12:3574
+  "self.send_to_tokenizer.send_output(AbortReq(rid=req.rid), req)") and the tokenizer indexes the table without a
+  guard (tokenizer_manager.py@0.5.12:2420 "state = self.rid_to_state[recv_obj.rid]"); the KeyError leaves
+  ``handle_loop`` and its wrapper kills the process tree (tokenizer_manager.py@0.5.12:2755
+  "kill_process_tree(os.getpid(), include_parent=True)").
+* **SGLang 0.5.12 never frees an aborted queued request's state.** ``_handle_abort_req`` marks it finished
+  (tokenizer_manager.py@0.5.12:2421 "state.finished = True") and never deletes it; only a scheduler output does
+  (tokenizer_manager.py@0.5.12:1871 "del self.rid_to_state[rid]"). Every call taken back while queued leaked its
+  entry (prompt and all). Fixed: a ``generate`` that returns drops its request's state when SGLang left it there
+  finished. 0.5.23 deletes it itself (tokenizer_manager.py@0.5.23:3638 "del self.rid_to_state[recv_obj.rid]").
+* **An abort can miss a request mid chunked prefill.** 0.5.12's scheduler looks for running requests in the running
+  and current batches only (scheduler.py@0.5.12:3642-3645 "reqs = self.running_batch.reqs"), so a request between
+  two chunks of its prefill is not found and decodes on. Fixed: a cancelled request's abort is re-sent every
+  :data:`ABORT_RESEND_S` until SGLang answers it, and ``sleep`` / ``release_kv_cache`` first wait for those answers,
+  so no orphan reaches ``release_memory_occupation``'s idle assert (scheduler_update_weights_mixin.py@0.5.12:130-132
+  "self.is_fully_idle()"). On 0.5.23 the scheduler catches the chunked request itself
+  (scheduler.py@0.5.23:5678 "self._pending_chunked_abort_req = chunked_req") and ignores a re-sent abort of the
+  same id (tokenizer_manager.py@0.5.23:2249 "if state.abort_sent:"): the re-sends are harmless there.
 
 Callers that use neither ``reject_request`` nor ``take_back_requests`` see verl's behaviour unchanged, except that a
 cancelled call now stops its request (a pure fix). The patch needs of the class only what verl's has:
 ``generate(prompt_ids, sampling_params, request_id, ...)``, ``abort_all_requests()``, ``resume_generation()``,
-``tokenizer_manager`` (``abort_request``, ``rid_to_state``), ``node_rank`` and ``global_steps``; it is applied to
-verl's class after import (``patches.apply``) and to the CPU test double (``cpu_backend.rollout``) the same way.
+``tokenizer_manager`` (``abort_request``, ``rid_to_state`` and its states' ``finished``, ``event`` and dispatch
+mark), ``node_rank`` and ``global_steps`` (``sleep`` and ``release_kv_cache`` are wrapped where the class has them);
+it is applied to verl's class after import (``patches.apply``) and to the CPU test double (``cpu_backend.rollout``)
+the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from types import ModuleType
 from typing import Any
 
 from verl.workers.rollout.replica import TokenOutput
 
+logger = logging.getLogger(__name__)
+
 _PATCHED = "_verl_partial_sglang_fix"
 _REJECTING = "_verl_partial_rejecting"
+_REAPERS = "_verl_partial_abort_reapers"
+# How often a cancelled request's abort is re-sent until SGLang answers it: as SGLang's own pause re-sends its
+# abort-all (tokenizer_manager.py@0.5.12:1513 "await asyncio.sleep(1.0)").
+ABORT_RESEND_S = 1.0
+# Server methods that end in release_memory_occupation's idle assert: they wait for cancelled requests' answers.
+_QUIESCING = ("sleep", "release_kv_cache")
 
 
 def apply_sglang_server_fix(server_cls: type) -> type:
@@ -52,10 +83,12 @@ def apply_sglang_server_fix(server_cls: type) -> type:
                 token_ids=[], log_probs=None, stop_reason="abort", extra_fields={"global_steps": self.global_steps}
             )
         try:
-            return await original_generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs)
+            output = await original_generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs)
         except asyncio.CancelledError:
-            _abort_and_forget(self.tokenizer_manager, request_id)
+            _cancel(self, request_id)
             raise
+        _forget_answered(self.tokenizer_manager, request_id)
+        return output
 
     @functools.wraps(original_abort_all)
     async def abort_all_requests(self, *args, reject_request: bool = False, **kwargs):
@@ -91,16 +124,80 @@ def apply_sglang_server_fix(server_cls: type) -> type:
     server_cls.abort_all_requests = abort_all_requests
     server_cls.resume_generation = resume_generation
     server_cls.take_back_requests = take_back_requests
+    for name in _QUIESCING:
+        if hasattr(server_cls, name):
+            setattr(server_cls, name, _after_cancelled_settle(getattr(server_cls, name)))
     setattr(server_cls, _PATCHED, True)
     return server_cls
 
 
-def _abort_and_forget(tokenizer_manager: Any, request_id: str) -> None:
-    """Stop a cancelled call's request. The abort reaches the scheduler only for a state SGLang still holds, so it
-    is sent first; the state is then dropped, which also frees one parked at the pause gate (never sent, so no
-    output would ever delete it). SGLang skips outputs for a deleted state (``_handle_batch_output``)."""
+def _after_cancelled_settle(method):
+    @functools.wraps(method)
+    async def quiescing(self, *args, **kwargs):
+        await settle_cancelled(self)
+        return await method(self, *args, **kwargs)
+
+    return quiescing
+
+
+async def settle_cancelled(server: Any) -> None:
+    """Wait until SGLang has answered every cancelled request's abort (each ends: SGLang finishes every request it
+    holds, at the latest at its ``max_new_tokens``, and the abort is re-sent until it does)."""
+    reapers = getattr(server, _REAPERS, None)
+    while reapers:
+        await asyncio.gather(*list(reapers))
+
+
+def _dispatched(state: Any) -> bool:
+    """Whether SGLang sent the request to its scheduler (only then can an abort be echoed): 0.5.23 marks the state
+    (tokenizer_manager.py@0.5.23:1810 "state.dispatched = True"); 0.5.12 stamps the state's time stats at the send
+    (tokenizer_manager.py@0.5.12:1068 "tokenized_obj.time_stats = self.rid_to_state[obj.rid].time_stats",
+    tokenizer_manager.py@0.5.12:1187 "tokenized_obj.time_stats.set_api_server_dispatch_time()")."""
+    dispatched = getattr(state, "dispatched", None)
+    if dispatched is None:
+        return state.time_stats.api_server_dispatch_time > 0
+    return bool(dispatched)
+
+
+def _forget_answered(tokenizer_manager: Any, request_id: str) -> None:
+    """Drop a request's state that SGLang answered but left in its table (0.5.12, an abort while queued)."""
+    state = tokenizer_manager.rid_to_state.get(request_id)
+    if state is not None and state.finished:
+        del tokenizer_manager.rid_to_state[request_id]
+
+
+def _cancel(server: Any, request_id: str) -> None:
+    """End a cancelled call's request without crashing or leaking SGLang's tokenizer (module docstring)."""
+    tokenizer_manager = server.tokenizer_manager
+    state = tokenizer_manager.rid_to_state.get(request_id)
+    if state is None or state.finished:  # answered (0.5.23 may have cleaned up already)
+        _forget_answered(tokenizer_manager, request_id)
+        return
+    if not _dispatched(state):  # parked at the pause gate or tokenizing: nothing will ever answer it
+        del tokenizer_manager.rid_to_state[request_id]
+        return
     tokenizer_manager.abort_request(request_id)
-    tokenizer_manager.rid_to_state.pop(request_id, None)
+    reapers: set[asyncio.Task] = server.__dict__.setdefault(_REAPERS, set())
+    reaper = asyncio.ensure_future(_reap(tokenizer_manager, request_id, state))
+    reapers.add(reaper)
+    reaper.add_done_callback(reapers.discard)
+
+
+async def _reap(tokenizer_manager: Any, request_id: str, state: Any) -> None:
+    """Re-send the abort every :data:`ABORT_RESEND_S` until SGLang answers it (an abort the scheduler missed, mid
+    chunked prefill), then drop the state if SGLang left it."""
+    resent = 0
+    while not state.finished and tokenizer_manager.rid_to_state.get(request_id) is state:
+        try:
+            await asyncio.wait_for(state.event.wait(), ABORT_RESEND_S)
+        except asyncio.TimeoutError:  # not the builtin before Python 3.11
+            resent += 1
+            tokenizer_manager.abort_request(request_id)
+        state.event.clear()
+    if resent:
+        logger.info("request %s answered its abort after %d re-sends", request_id, resent)
+    if tokenizer_manager.rid_to_state.get(request_id) is state:
+        del tokenizer_manager.rid_to_state[request_id]
 
 
 # verl's module that defines ``SGLangHttpServer``; fixed when imported (``verl_partial.patches.apply``).
