@@ -148,6 +148,7 @@ def test_unsupported_sampling_params_are_refused_by_name():
 def test_fault_injection_spec_is_parsed_and_validated():
     assert FaultInjection.from_env("raise=0.1,hang=0.05,hang_s=3,seed=2") == FaultInjection(0.1, 0.05, 3.0, 2)
     assert FaultInjection.from_env(None) == FaultInjection()
+    assert FaultInjection.from_env("step_s=0.01").step_s == 0.01
     with pytest.raises(ValueError, match="unknown key 'crash'"):
         FaultInjection.from_env("crash=1")
 
@@ -368,6 +369,9 @@ class CpuServersBackend:
     async def take_back(self, requests) -> None:
         for request in requests:
             await self.by_name[request.server].take_back_requests([request.request_id])
+
+    async def progress(self, server: str):
+        return await self.by_name[server].progress_of_requests()
 
     async def cancel(self, requests) -> None:
         for request in requests:

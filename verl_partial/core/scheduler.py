@@ -19,15 +19,17 @@ engine to produce a first output, and SGLang keeps decoding a request whose call
   cancelled -- ``partial/cancelled_calls``, the only way tokens can be lost; a cancelled call returns nothing, so
   the loss is unknown and ``partial/cancelled_tokens_max`` bounds it -- and abandoned after one more grace.
 * **Step end.** Stop launching -> ``backend.abort(server)`` starts for every server (gates close, rejecting late
-  arrivals; running calls return ABORTED with their tokens) -> answers are recorded for ``abort_grace_s`` -> every
-  call still out is taken back: requests queued in an engine end (no tokens, nothing generated), which is what lets
-  vLLM's abort barrier pass, running ones return their tokens -> ``backend.resume(server)`` for each server, which
+  arrivals; running calls return ABORTED with their tokens) and every call is taken back -> answers are recorded
+  for ``abort_grace_s`` -> every call still out is taken back (again): requests queued in an engine end (no
+  tokens, nothing generated), which is what lets vLLM's abort barrier pass, running ones return their tokens ->
+  ``backend.resume(server)`` for each server, which
   lands only once THAT server's abort returned: vLLM pauses its engine at the end of its abort, so a resume landing
   earlier is undone and leaves the engine paused. A server whose abort outlives the step end has its resume chained
   on the abort by the backend (it outlives the step's event loop), counts a ``partial/control_timeouts``, and sits
   the next step out if it has not reopened when that step starts (a call sent to it would meet a closed gate). A
-  step end never waits on queued requests or ``request_timeout_s``: every call still out is taken back as the aborts
-  go out, so a request queued in an engine (no tokens) ends at once instead of after ``abort_grace_s``.
+  step end never waits on queued requests or ``request_timeout_s``: every call still out is also taken back as the
+  aborts go out, so a request queued in an engine (no tokens) ends at once instead of holding vLLM's barrier for
+  ``abort_grace_s``; that take-back is not a stage of giving up, so a call it misses keeps the chain above.
 * **Stalls are judged by tokens, not by answers.** A server with calls outstanding that answered nothing for
   ``partial.request_timeout_s`` is asked for its progress (``backend.progress``: tokens generated so far by each call
   it holds; one small control call, made only then). If any of its calls generated tokens since the last reading
@@ -477,9 +479,16 @@ class _Step(Generic[P]):
             return
         self.aborted = True
         self.aborts = {server: self.background(self.backend.abort(server)) for server in self.router.servers}
-        # Whatever is out is queued in an engine (holding vLLM's abort barrier), running, or in transit: taking it
-        # back now ends the first at once (no tokens, nothing to wait for), the second with its tokens, as the abort
-        # would; the gate refuses the third, and a call that slipped past the gate is taken back again after the grace.
+        # Whatever is out is queued in an engine (holding vLLM's abort barrier), running, or in transit. Taking it all
+        # back now ends the first at once (no tokens: nothing to wait for), so the barrier falls and the abort ends the
+        # second with its tokens. This take-back is no stage of giving up: a call it missed (in transit, refused or
+        # parked at the closed gate) goes through the usual chain after the grace.
+        self.take_back(list(self.calls.values()))
+        now = self.loop.time()
+        grace_end = now + self.config.abort_grace_s
+        while self.calls and now < grace_end:
+            now = await self.wait(grace_end - now)
+        # Still out: in transit at the first take-back, or running behind an abort that has not landed yet.
         self.give_up(list(self.calls.values()), _Why.STEP_END)
         while self.calls:
             await self.wait(None)
