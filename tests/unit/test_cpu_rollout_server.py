@@ -454,3 +454,25 @@ def test_a_resume_that_overtakes_the_abort_barrier_leaves_the_engine_paused(demo
         assert len((await late).token_ids) == 60
 
     run_virtual(main())
+
+
+def test_progress_of_requests_reads_the_tokens_so_far_of_each_held_request(demo_assets):
+    """The scheduler's stall check (issue 26, finding 5) reads this, as it reads verl's vLLM server through our patch:
+    a running request's count grows between two readings, a queued one reads 0, and a request the engine no longer
+    holds is left out."""
+
+    async def main():
+        server = virtual_server(demo_assets, max_num_seqs=1)
+        running = call(server, "running", LONG, prompt(demo_assets, 5))
+        queued = call(server, "queued", LONG, prompt(demo_assets, 6))
+        await server.engine.wait_until(lambda: server.engine.tokens_so_far("running") >= 2)
+        first = await server.progress_of_requests()
+        await asyncio.sleep(10 * STEP_S)
+        second = await server.progress_of_requests()
+        assert first["queued"] == second["queued"] == 0
+        assert second["running"] > first["running"] >= 2
+        await server.take_back_requests(["running", "queued"])
+        await asyncio.gather(running, queued)
+        assert await server.progress_of_requests() == {}
+
+    run_virtual(main())
