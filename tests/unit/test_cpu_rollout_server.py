@@ -476,3 +476,35 @@ def test_progress_of_requests_reads_the_tokens_so_far_of_each_held_request(demo_
         assert await server.progress_of_requests() == {}
 
     run_virtual(main())
+
+
+def test_a_server_that_stops_producing_is_taken_back_and_its_tokens_kept(demo_assets):
+    """Issue 26, item 3, the other half: a stall is a server that generates nothing. Server 1's engine stops stepping
+    (paused, its requests held) after its calls produced a few tokens; the stall check reads no progress there and
+    takes its calls back: they return the tokens they had (kept) and finish on server 0. Server 0
+    decodes long answers all along and is never taken back."""
+    config = PartialConfig(extra_groups=0, staleness_policy="keep", request_timeout_s=1.0, abort_grace_s=0.5)
+    servers = [virtual_server(demo_assets, replica_rank=i, max_num_seqs=4) for i in range(2)]
+    backend = CpuServersBackend(servers, transit=lambda key: 0.0)
+    pool = RolloutPool(config, group_size=4, batch_groups=2, response_length=64)
+    source = iter([(prompt(demo_assets, count), f"p{i}") for i, count in enumerate((30, 40, 50))])
+
+    class Source:
+        def next_prompt(self):
+            return next(source, None)
+
+    async def main():
+        step = asyncio.ensure_future(run_step(pool, backend, Source(), step=1, version=0))
+        engine = servers[1].engine
+        await engine.wait_until(lambda: any(engine.tokens_so_far(rid) >= 3 for rid in engine.request_ids))
+        engine.pause()  # stops producing; its requests stay held
+        result = await step
+        assert len(result.trained) == 2
+        metrics = result.metrics
+        assert metrics["partial/progress_reads"] > 0 and metrics["partial/stalled_calls"] > 0
+        # One stall costs at most one failure (its oldest call, if it had no token yet); no group is dropped.
+        assert metrics["partial/failed_calls"] <= 1 and metrics["partial/failed_groups"] == 0
+        assert metrics["partial/segments_per_sample/max"] >= 2  # resumed on server 0 from the tokens it returned
+        assert backend.cancelled == []
+
+    run_virtual(main())
