@@ -226,6 +226,9 @@ class EngineSegmentBackend:
         for request in requests:
             await self.engine.abort(request.request_id)  # its generate returns the tokens so far as "aborted"
 
+    async def progress(self, server: str) -> dict[str, int]:
+        return {request_id: self.engine.tokens_so_far(request_id) for request_id in self.engine.request_ids}
+
     async def cancel(self, requests: list[SegmentRequest]) -> None:
         """Drop the calls: the engine stops them and the caller gets nothing back, as a Ray cancel does."""
         for request in requests:

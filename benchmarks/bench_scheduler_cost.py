@@ -70,6 +70,14 @@ class InstantBackend:
             if request.request_id in self.pending:
                 self._abort(request.request_id)
 
+    async def progress(self, server: str) -> dict[str, int]:
+        now = asyncio.get_running_loop().time()
+        return {
+            request_id: int(min(length, (now - started) * TOKENS_PER_S))
+            for request_id, (_, _, request, length, started) in self.pending.items()
+            if request.server == server
+        }
+
     async def cancel(self, requests: list[SegmentRequest]) -> None:
         for request in requests:
             if request.request_id in self.pending:

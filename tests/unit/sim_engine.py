@@ -40,7 +40,9 @@ and leaves the engine paused: the double records it (a violation). ``resume`` ch
 abort as the glue does (``WorkerSegmentBackend``), and a call launched to a server whose gate is closed or whose
 engine is paused (resumed too late) is a violation too.
 
-Calls can fail, hang (no tokens until aborted), be slow, and servers can die (answer nothing, not even aborts).
+Calls can fail, hang, be slow, and servers can die (answer nothing, not even aborts). A hung call wedges its
+server's batch: both engines decode their running requests in lockstep, so nothing on that server gets a token until
+the hung call is aborted (what ``progress``, the stall check's reading, then reports).
 """
 
 from __future__ import annotations
@@ -122,6 +124,7 @@ class SimServer:
     max_model_len: int | None = None  # prompt + response cap (None: unlimited)
     cancel_aborts: bool = False  # SGLang with our server fix: a cancelled call aborts its request
     stuck: bool = False  # a wedged engine: its requests produce no token until aborted (it still answers aborts)
+    wedged: int = 0  # hung calls running: the batch decodes in lockstep, so no call gets a token meanwhile
     # Gate (vLLM ``_submission_paused`` / our SGLang fix's rejecting gate) and engine pause (vLLM
     # ``pause_generation``, SGLang ``is_pause``).
     gate_closed: bool = False
@@ -167,6 +170,8 @@ class SimCall:
     cancelled: bool = False  # Ray-cancelled: the client got nothing back
     zombie: bool = False  # cancelled on SGLang without our fix: decodes on, unseen
     first_output: bool = False
+    queued_at: float = 0.0
+    started_at: float = 0.0
     new_ids: list[int] = field(default_factory=list)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task | None = None
@@ -200,6 +205,12 @@ class SimEngine:
     # Answers whose reason hides the truth (SGLang): "abort" on an EOS or on the last allowed token, "length" on an
     # EOS, and 0-token "length" at the model-length cap. Tests use them to show their case really happened.
     tricky: Counter[str] = field(default_factory=Counter)
+    # Calls that waited in their server's queue for ``long_decode_s`` or more behind a call of their own group (a long
+    # answer with queued siblings, issue 26 item 4), counted when that call ends; the soak sets it to request_timeout_s.
+    long_decode_s: float = float("inf")
+    queued_behind_long: int = 0
+    queued_taken_back: Counter[int] = field(default_factory=Counter)  # per version (step - 1): queued calls taken back
+    progress_reads: int = 0
     never: asyncio.Future[None] | None = None
     open: Counter[str] = field(default_factory=Counter)
     reopened: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # per server: its last (chained) resume
@@ -278,6 +289,8 @@ class SimEngine:
             else:
                 matched = [c for c in held if c.request.request_id.startswith(request.request_id)]
             for call in matched:
+                if call.state == "queued":
+                    self.queued_taken_back[self.version] += 1
                 if call.request.request_id != request.request_id:
                     self.violations.append(
                         f"abort_request({request.request_id!r}) prefix-matched another call "
@@ -361,6 +374,14 @@ class SimEngine:
     def reopening(self) -> dict[str, asyncio.Task[None]]:
         return {name: task for name, task in self.reopened.items() if not task.done()}
 
+    async def progress(self, name: str) -> dict[str, int]:
+        """Tokens so far of each request the server holds (queued: 0), as our server-side reading reports them. A dead
+        server does not answer."""
+        server = self.server(name)
+        await self._alive(server)
+        self.progress_reads += 1
+        return {c.request.request_id: len(c.new_ids) for c in (*server.waiting, *server.running)}
+
     async def _resume_after_abort(self, server: SimServer) -> None:
         while server.aborting:
             await server.next_change()
@@ -389,11 +410,18 @@ class SimEngine:
             server.waiting.remove(call)
             call.state = "aborted_queued"
         call.wake.set()
+        server.poke()  # a decode step waiting on a wedged batch re-checks its abort
+
+    def _ran_long(self, server: SimServer, call: SimCall) -> None:
+        """At the end of a running call: count its siblings that waited in the queue ``long_decode_s`` or more."""
+        if call in server.running:
+            waited = self.now() - self.long_decode_s
+            self.queued_behind_long += sum(c.key == call.key and c.queued_at <= waited for c in server.waiting)
 
     def _schedule(self, server: SimServer) -> None:
         while server.waiting and len(server.running) < server.max_num_seqs and not server.paused:
             call = server.waiting.popleft()
-            call.state = "running"
+            call.state, call.started_at = "running", self.now()
             server.running.add(call)
             call.wake.set()
 
@@ -408,6 +436,7 @@ class SimEngine:
                 call.future.set_exception(error)
             return
         finally:
+            self._ran_long(server, call)
             call.state, call.ended_at = "done", self.now()
             server.running.discard(call)
             self._schedule(server)
@@ -430,7 +459,7 @@ class SimEngine:
         vllm = server.engine == "vllm"
         if vllm:
             server.admitting += 1
-        call.state = "queued"
+        call.state, call.queued_at = "queued", self.now()
         server.waiting.append(call)
         self._schedule(server)
         try:
@@ -462,9 +491,14 @@ class SimEngine:
         if draw < self.fail_rate:
             raise RuntimeError("injected failure")
         if server.stuck or draw < self.fail_rate + self.hang_rate:
-            while not call.abort:
-                call.wake.clear()
-                await call.wake.wait()
+            server.wedged += 1
+            try:
+                while not call.abort:
+                    call.wake.clear()
+                    await call.wake.wait()
+            finally:
+                server.wedged -= 1
+                server.poke()
             return self._result(call, [], "abort")
         expected = full_tokens(call.key, request.ref.index, self.seed, self.response_length)
         start = len(call.prefix)
@@ -511,6 +545,8 @@ class SimEngine:
                 timer.cancel()
         if call.abort and server.engine == "sglang" and loop.time() < end:
             await asyncio.sleep(min(server.token_latency, end - loop.time()))
+        while server.wedged and not call.abort:
+            await server.next_change()
         await self._alive(server)
 
     def _emit(self, call: SimCall, server: SimServer, token: int) -> None:

@@ -149,6 +149,7 @@ def test_unsupported_sampling_params_are_refused_by_name():
 def test_fault_injection_spec_is_parsed_and_validated():
     assert FaultInjection.from_env("raise=0.1,hang=0.05,hang_s=3,seed=2") == FaultInjection(0.1, 0.05, 3.0, 2)
     assert FaultInjection.from_env(None) == FaultInjection()
+    assert FaultInjection.from_env("step_s=0.01").step_s == 0.01
     with pytest.raises(ValueError, match="unknown key 'crash'"):
         FaultInjection.from_env("crash=1")
 
@@ -370,6 +371,9 @@ class CpuServersBackend:
         for request in requests:
             await self.by_name[request.server].take_back_requests([request.request_id])
 
+    async def progress(self, server: str):
+        return await self.by_name[server].progress_of_requests()
+
     async def cancel(self, requests) -> None:
         for request in requests:
             self.cancelled.append(self.group_of[request.request_id])
@@ -449,5 +453,59 @@ def test_a_resume_that_overtakes_the_abort_barrier_leaves_the_engine_paused(demo
         assert not late.done() and server.engine.num_waiting == 1  # admitted by the open gate, never scheduled
         await server.resume_generation()
         assert len((await late).token_ids) == 60
+
+    run_virtual(main())
+
+
+def test_progress_of_requests_reads_the_tokens_so_far_of_each_held_request(demo_assets):
+    """The scheduler's stall check (issue 26, finding 5) reads this, as it reads verl's vLLM server through our patch:
+    a running request's count grows between two readings, a queued one reads 0, and a request the engine no longer
+    holds is left out."""
+
+    async def main():
+        server = virtual_server(demo_assets, max_num_seqs=1)
+        running = call(server, "running", LONG, prompt(demo_assets, 5))
+        queued = call(server, "queued", LONG, prompt(demo_assets, 6))
+        await server.engine.wait_until(lambda: server.engine.tokens_so_far("running") >= 2)
+        first = await server.progress_of_requests()
+        await asyncio.sleep(10 * STEP_S)
+        second = await server.progress_of_requests()
+        assert first["queued"] == second["queued"] == 0
+        assert second["running"] > first["running"] >= 2
+        await server.take_back_requests(["running", "queued"])
+        await asyncio.gather(running, queued)
+        assert await server.progress_of_requests() == {}
+
+    run_virtual(main())
+
+
+def test_a_server_that_stops_producing_is_taken_back_and_its_tokens_kept(demo_assets):
+    """Issue 26, item 3, the other half: a stall is a server that generates nothing. Server 1's engine stops stepping
+    (paused, its requests held) after its calls produced a few tokens; the stall check reads no progress there and
+    takes its calls back: they return the tokens they had (kept) and finish on server 0. Server 0
+    decodes long answers all along and is never taken back."""
+    config = PartialConfig(extra_groups=0, staleness_policy="keep", request_timeout_s=1.0, abort_grace_s=0.5)
+    servers = [virtual_server(demo_assets, replica_rank=i, max_num_seqs=4) for i in range(2)]
+    backend = CpuServersBackend(servers, transit=lambda key: 0.0)
+    pool = RolloutPool(config, group_size=4, batch_groups=2, response_length=64)
+    source = iter([(prompt(demo_assets, count), f"p{i}") for i, count in enumerate((30, 40, 50))])
+
+    class Source:
+        def next_prompt(self):
+            return next(source, None)
+
+    async def main():
+        step = asyncio.ensure_future(run_step(pool, backend, Source(), step=1, version=0))
+        engine = servers[1].engine
+        await engine.wait_until(lambda: any(engine.tokens_so_far(rid) >= 3 for rid in engine.request_ids))
+        engine.pause()  # stops producing; its requests stay held
+        result = await step
+        assert len(result.trained) == 2
+        metrics = result.metrics
+        assert metrics["partial/progress_reads"] > 0 and metrics["partial/stalled_calls"] > 0
+        # One stall costs at most one failure (its oldest call, if it had no token yet); no group is dropped.
+        assert metrics["partial/failed_calls"] <= 1 and metrics["partial/failed_groups"] == 0
+        assert metrics["partial/segments_per_sample/max"] >= 2  # resumed on server 0 from the tokens it returned
+        assert backend.cancelled == []
 
     run_virtual(main())

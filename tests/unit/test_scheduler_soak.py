@@ -15,6 +15,11 @@ watchdog. The soak then counts, over all schedules: prompts lost, groups trained
 ``abort_grace_s``), busy loops -- each must be 0 --, checks that the tokens lost with cancelled calls stay within
 ``partial/cancelled_tokens_max``, and reports the rest.
 
+The ``*-long`` profiles (issue 26, item 5) make a long answer with queued siblings happen: one slot per server, answers
+that decode for several ``request_timeout_s``, groups of 2-4, no injected fault. There a group may only be dropped for
+being long, so ``failed_groups`` and ``stalled_calls`` must be 0 too, and ``queued_behind_long`` (calls that waited
+in the queue for ``request_timeout_s`` or more behind a call of their own group) shows the condition happened.
+
 CI runs ``VERL_PARTIAL_SOAK`` schedules per profile (default 100, ~20 s each). The full soak (issue 19 asks >= 10,000
 per profile; minutes of CPU, so under the shared lock)::
 
@@ -31,7 +36,7 @@ import random
 import re
 import time
 from collections import Counter
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import pytest
 from sim_engine import SimEngine, SimServer
@@ -41,7 +46,10 @@ from verl_partial.config.partial import PartialConfig
 from verl_partial.core.partial.scheduler import OutOfPrompts
 from verl_partial.sim.clock import BusyLoop, run_virtual
 
-PROFILES = ("vllm", "sglang")
+# Engine semantics, and conditions drawn on top of them ("-long": a long answer with queued siblings). A new condition
+# (speculative runs, SGLang's abort echo) is one more profile here and one more branch in ``random_schedule``.
+PROFILES = ("vllm", "sglang", "vllm-long", "sglang-long")
+LONG_TIMEOUT_S = 0.5  # request_timeout_s of the "-long" profiles: their answers take up to 48 x 0.05 s
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,8 @@ def random_config(rng: random.Random, batch: int) -> PartialConfig:
 
 
 def random_schedule(seed: int, profile: str) -> Schedule:
+    if profile.endswith("-long"):
+        return long_answer_schedule(seed, profile)
     rng = random.Random(f"{profile}/{seed}")
     # Its own stream, so adding it kept every other draw of a seed as it was.
     pauses = random.Random(f"{profile}/{seed}/pause_delay_s")
@@ -143,6 +153,43 @@ def random_schedule(seed: int, profile: str) -> Schedule:
     )
 
 
+def long_answer_schedule(seed: int, profile: str) -> Schedule:
+    """One slot per server and slow tokens: a group's long answer decodes for several request_timeout_s while its
+    siblings wait in the queue. No fault is injected, so no group may fail."""
+    rng = random.Random(f"{profile}/{seed}")
+    engine = profile.removesuffix("-long")
+    steps, batch = rng.randint(1, 4), rng.randint(1, 3)
+    servers = tuple(
+        ServerDraw(
+            engine=engine,
+            token_latency=0.05,
+            dies_at=float("inf"),
+            stuck=False,
+            max_num_seqs=1,
+            cancel_aborts=engine == "sglang" and rng.random() < 0.5,
+            pause_delay_s=0.0,
+        )
+        for _ in range(rng.randint(1, 2))
+    )
+    return Schedule(
+        profile=profile,
+        config=replace(random_config(rng, batch), request_timeout_s=LONG_TIMEOUT_S),
+        n=rng.randint(2, 4),
+        batch=batch,
+        steps=steps,
+        response_length=rng.randint(24, 48),
+        seed=seed,
+        servers=servers,
+        fail_rate=0.0,
+        hang_rate=0.0,
+        slow_rate=0.0,
+        max_transit=0.0,
+        reject_request=True,
+        cancel_raises=rng.random() < 0.5,
+        restore_at=frozenset(rng.sample(range(2, steps + 1), k=min(steps - 1, rng.randint(0, 1)))),
+    )
+
+
 @dataclass
 class SoakFigures:
     schedules: int = 0
@@ -156,6 +203,9 @@ class SoakFigures:
     max_step_s: float = 0.0
     failed_groups: int = 0
     stalled_calls: int = 0
+    stall_requeued_calls: int = 0  # calls of a stalled server that never ran: released, not failed
+    progress_reads: int = 0  # stall checks (a server answered nothing for request_timeout_s)
+    queued_behind_long: int = 0  # calls queued >= request_timeout_s behind a call of their own group
     taken_back_calls: int = 0
     cancelled_calls: int = 0
     cancelled_tokens_max: int = 0  # the scheduler's bound on tokens lost with cancelled calls
@@ -180,6 +230,7 @@ def run_schedule(s: Schedule, figures: SoakFigures) -> SimEngine:
         max_transit=s.max_transit,
         reject_request=s.reject_request,
         cancel_raises=s.cancel_raises,
+        long_decode_s=s.config.request_timeout_s,
     )
     try:
         run = simulate(
@@ -219,6 +270,8 @@ def run_schedule(s: Schedule, figures: SoakFigures) -> SimEngine:
     figures.failed_groups += run.pool.totals.failed_groups
     for name in (
         "stalled_calls",
+        "stall_requeued_calls",
+        "progress_reads",
         "taken_back_calls",
         "cancelled_calls",
         "cancelled_tokens_max",
@@ -235,6 +288,7 @@ def run_schedule(s: Schedule, figures: SoakFigures) -> SimEngine:
     figures.tokens_lost_to_cancel += engine.tokens_lost
     figures.zombie_tokens += engine.zombie_tokens
     figures.leaked_states += engine.leaked_states
+    figures.queued_behind_long += engine.queued_behind_long
     return engine
 
 
@@ -260,6 +314,10 @@ def test_soak_random_schedules(profile):
     assert (figures.lost, figures.duplicated, figures.stalls, figures.busy_loops) == (0, 0, 0, 0), figures
     assert figures.schedules == count and figures.steps > 0
     assert figures.out_of_prompts <= max(1, count // 20)  # injected failures rarely exhaust the prompt supply
+    if profile.endswith("-long"):
+        # The condition happened, and no group was dropped for being long: nothing else can fail here.
+        assert figures.queued_behind_long > 0 and figures.progress_reads > 0, figures
+        assert (figures.failed_groups, figures.stalled_calls, figures.out_of_prompts) == (0, 0, 0), figures
 
 
 # ------------------------------------------------------------------------------------------- the watchdog

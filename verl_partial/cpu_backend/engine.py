@@ -202,6 +202,9 @@ class CpuBatchedEngine:
             raise ValueError(f"semantics must be one of {list(SEMANTICS)}, got {semantics!r}")
         self.semantics: Semantics = semantics
         self.virtual_step_s = virtual_step_s
+        # Real time: the least a step lasts (fault injection's ``step_s``), so a test can make an answer outlast a
+        # timeout on purpose, on any machine. 0: steps take what they take.
+        self.min_step_s = 0.0
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.max_num_seqs = max_num_seqs
@@ -421,7 +424,10 @@ class CpuBatchedEngine:
                 plan, rows = scheduled
                 try:
                     if self.virtual_step_s is None:
+                        started = loop.time()
                         tokens, log_probs = await loop.run_in_executor(self._executor, self._execute, plan)
+                        if self.min_step_s:
+                            await asyncio.sleep(self.min_step_s - (loop.time() - started))
                     else:
                         tokens, log_probs = self._execute(plan)
                         await asyncio.sleep(self.virtual_step_s)

@@ -39,7 +39,8 @@ logger = logging.getLogger("verl_partial.cpu_backend")
 
 SERVER_NAME_PREFIX = "verl_partial_cpu_server_"
 # Fault injection for resilience tests, e.g. "raise=0.1,hang=0.05,hang_s=30,seed=0": each generate
-# call raises with probability `raise`, or stalls `hang_s` seconds with probability `hang`.
+# call raises with probability `raise`, or stalls `hang_s` seconds with probability `hang`; `step_s` makes every
+# engine step last at least that long (an answer of N tokens then outlasts N x step_s on any machine).
 FAULTS_ENV = "VERL_PARTIAL_CPU_FAULTS"
 # vllm_async_server.py's _GATE_BARRIER_TIMEOUT_S: how long abort_all_requests waits for admitted requests.
 GATE_BARRIER_TIMEOUT_S = 60.0
@@ -51,12 +52,13 @@ class FaultInjection:
     hang_rate: float = 0.0
     hang_s: float = 30.0
     seed: int = 0
+    step_s: float = 0.0
 
     @classmethod
     def from_env(cls, spec: str | None) -> FaultInjection:
         if not spec:
             return cls()
-        names = {"raise": "raise_rate", "hang": "hang_rate", "hang_s": "hang_s", "seed": "seed"}
+        names = {"raise": "raise_rate", "hang": "hang_rate", "hang_s": "hang_s", "step_s": "step_s", "seed": "seed"}
         values: dict[str, float] = {}
         for item in spec.split(","):
             key, _, value = item.partition("=")
@@ -228,6 +230,7 @@ class CpuRolloutServer(_CpuServerBase):
         super().__init__(*args, **kwargs)
         self.faults = FaultInjection.from_env(os.environ.get(FAULTS_ENV))
         self.fault_rng = random.Random(self.faults.seed * 1000 + self.replica_rank)
+        self.engine.min_step_s = self.faults.step_s
         # vLLMHttpServer.__init__: the submission gate, closed by abort_all_requests and opened by
         # resume_generation; a request arriving while it is closed parks (or, when rejecting, is refused).
         self._submission_paused = False
@@ -342,6 +345,11 @@ class CpuRolloutServer(_CpuServerBase):
         every token so far; queued: none); any other id (parked at the gate, in transit, done) is untouched.
         Returns the ids the engine held."""
         return [request_id for request_id in request_ids if await self.engine.abort(request_id)]
+
+    async def progress_of_requests(self) -> dict[str, int]:
+        """What verl-partial adds to verl's vLLM server (``verl_patches._add_vllm_take_back``): tokens so far of
+        each request the engine holds (queued: 0), for the scheduler's stall check."""
+        return {request_id: self.engine.tokens_so_far(request_id) for request_id in self.engine.request_ids}
 
     async def resume_generation(self) -> None:
         """``vLLMHttpServer.resume_generation``: resume the engine, then open the gate."""

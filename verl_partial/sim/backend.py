@@ -98,6 +98,11 @@ class SimBackend:
             if call is not None:
                 call[0].abort_request(call[1])
 
+    async def progress(self, server: str) -> dict[str, int]:
+        """Tokens so far of each call the server holds (the scheduler's stall check)."""
+        so_far = self.engines[server].tokens_so_far()
+        return {rid: so_far[call[1]] for rid, call in self._calls.items() if call[1] in so_far}
+
     async def cancel(self, requests: list[SegmentRequest]) -> None:
         """Ray cancel: the engine aborts the request (vLLM does on ``CancelledError``) and the call gets nothing."""
         for request in requests:

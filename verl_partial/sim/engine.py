@@ -256,6 +256,16 @@ class SimServer:
                     self._poke()
                     return
 
+    def tokens_so_far(self) -> dict[asyncio.Future[EngineOutcome], int]:
+        """Tokens each held request generated so far, by its future (the stall check's reading): the steps of a
+        decode segment under way count, so a segment longer than ``request_timeout_s`` still shows progress."""
+        done = 0
+        cum = self._segment_cum
+        if cum is not None and not self.prefilling:  # a decode segment: every running request gains one a step
+            done = int(np.searchsorted(cum[: self._segment_steps], self.loop.time() - self._segment_start, "right"))
+        held = {request.future: request.generated for request in (*self.waiting, *self.prefilling)}
+        return held | {request.future: request.generated + done for request in self.running}
+
     def resume(self) -> None:
         self.gate_open = True
 

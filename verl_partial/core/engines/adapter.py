@@ -95,6 +95,10 @@ def check_model_len(
 
 # The server method (ours, on every engine) that aborts calls by request id and lets them return their tokens.
 TAKE_BACK_METHOD = "take_back_requests"
+# The server method (ours, on every engine) the scheduler's stall check reads: tokens so far of each request held,
+# by request id, or None where the server cannot tell (SGLang: its tokenizer sees a non-streamed request only at
+# its end).
+PROGRESS_METHOD = "progress_of_requests"
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,10 @@ class EngineAdapter:
     async def take_back(self, server: Any, request_ids: list[str]) -> None:
         """Abort these calls on ``server`` by request id; each then returns ABORTED with its tokens so far."""
         await getattr(server, TAKE_BACK_METHOD).remote(request_ids)
+
+    def progress_calls(self, replica: Any) -> list[Any]:
+        """Read how far the replica's requests got (a stall check): one Ray call per control server."""
+        return [getattr(server, PROGRESS_METHOD).remote() for server in self.control_servers(replica)]
 
 
 def check_take_back(servers: dict[str, Any], resolve: Callable[[list[Any]], list[Any]]) -> None:

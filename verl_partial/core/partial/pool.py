@@ -192,6 +192,9 @@ class Counters:
     failed_groups: int = 0
     failed_calls: int = 0
     stalled_calls: int = 0
+    # Calls of a stalled server that came back without tokens behind its oldest call: never ran, no failure.
+    stall_requeued_calls: int = 0
+    progress_reads: int = 0  # stall checks: one control call to a server that answered nothing for request_timeout_s
     taken_back_calls: int = 0
     cancelled_calls: int = 0
     # A cancelled call returns nothing, so the tokens it generated are unknown: at most its max_new_tokens each.
@@ -572,6 +575,8 @@ class RolloutPool(Generic[P]):
             "partial/failed_calls": float(self.counters.failed_calls),
             "partial/stalled_calls": float(self.counters.stalled_calls),
             "partial/taken_back_calls": float(self.counters.taken_back_calls),
+            "partial/stall_requeued_calls": float(self.counters.stall_requeued_calls),
+            "partial/progress_reads": float(self.counters.progress_reads),
             "partial/cancelled_calls": float(self.counters.cancelled_calls),
             "partial/cancelled_tokens_max": float(self.counters.cancelled_tokens_max),
             "partial/abandoned_calls": float(self.counters.abandoned_calls),

@@ -19,18 +19,28 @@ engine to produce a first output, and SGLang keeps decoding a request whose call
   cancelled -- ``partial/cancelled_calls``, the only way tokens can be lost; a cancelled call returns nothing, so
   the loss is unknown and ``partial/cancelled_tokens_max`` bounds it -- and abandoned after one more grace.
 * **Step end.** Stop launching -> ``backend.abort(server)`` starts for every server (gates close, rejecting late
-  arrivals; running calls return ABORTED with their tokens) -> answers are recorded for ``abort_grace_s`` -> every
-  call still out is taken back: requests queued in an engine end (no tokens, nothing generated), which is what lets
-  vLLM's abort barrier pass, running ones return their tokens -> ``backend.resume(server)`` for each server, which
+  arrivals; running calls return ABORTED with their tokens) and every call is taken back -> answers are recorded
+  for ``abort_grace_s`` -> every call still out is taken back (again): requests queued in an engine end (no
+  tokens, nothing generated), which is what lets vLLM's abort barrier pass, running ones return their tokens ->
+  ``backend.resume(server)`` for each server, which
   lands only once THAT server's abort returned: vLLM pauses its engine at the end of its abort, so a resume landing
   earlier is undone and leaves the engine paused. A server whose abort outlives the step end has its resume chained
   on the abort by the backend (it outlives the step's event loop), counts a ``partial/control_timeouts``, and sits
   the next step out if it has not reopened when that step starts (a call sent to it would meet a closed gate). A
-  step end never waits on queued requests or ``request_timeout_s``.
-* **Stalls are judged by progress.** A server with calls outstanding that returns no result for
-  ``partial.request_timeout_s`` is stalled and its calls are taken back. A call that brings tokens back was slow,
-  not stuck: its tokens are kept and it counts as progress, so a long answer is never failed for its length and
-  nothing of it is regenerated. Only a call that raised, was refused, or brought nothing back counts as a failure.
+  step end never waits on queued requests or ``request_timeout_s``: every call still out is also taken back as the
+  aborts go out, so a request queued in an engine (no tokens) ends at once instead of holding vLLM's barrier for
+  ``abort_grace_s``; that take-back is not a stage of giving up, so a call it misses keeps the chain above.
+* **Stalls are judged by tokens, not by answers.** A server with calls outstanding that answered nothing for
+  ``partial.request_timeout_s`` is asked for its progress (``backend.progress``: tokens generated so far by each call
+  it holds; one small control call, made only then). If any of its calls generated tokens since the last reading
+  (or its launch), it is decoding: its clock restarts and nothing is taken back, so a long answer is never taken
+  back for being long. If none did, or the reading is not answered within ``abort_grace_s``, the server is stalled
+  and its calls are taken back: a server that stops producing is caught within 2 x ``request_timeout_s`` (+ the
+  grace). A backend that cannot tell (``progress`` returns None) is judged by answers alone.
+  A call that brings tokens back was slow, not stuck: its tokens are kept and it counts as progress. A call that
+  raised, was refused, or brought nothing back counts as a failure -- except the calls of a stalled server that
+  bring nothing back behind its oldest call: queued behind it, they never ran, so a stall costs one failure, charged
+  to the call that waited longest (``partial/stall_requeued_calls`` counts the others).
 * **Retries.** Any result with tokens or a finish resets the sample's failure count; a group is taken out only
   after ``max_retries`` retries of one sample failed in a row. Its other calls are taken back; what they return is
   counted in ``partial/tokens_discarded``.
@@ -41,7 +51,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter, deque
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Generic, Protocol, TypeVar
@@ -101,6 +111,12 @@ class SegmentBackend(Protocol[P]):
         an awaitable that completes once it has; called at a step's start, in its event loop. The scheduler never
         cancels these awaitables."""
 
+    async def progress(self, server: str) -> Mapping[str, int] | None:
+        """Tokens generated so far by each call ``server`` holds (queued or running), by request id; calls it does not
+        hold are left out. Read only when the server answered nothing for ``request_timeout_s`` (a stall check), never
+        per token. None: this server cannot tell, and its stalls are judged by answers alone. May hang with a hung
+        server: the scheduler stops waiting after ``abort_grace_s``."""
+
 
 class PromptSource(Protocol[P]):
     def next_prompt(self) -> tuple[P, str] | None:
@@ -147,6 +163,8 @@ class _Call:
     stage: _Stage | None = None
     stage_at: float = 0.0  # when the current stage began (its grace runs from here)
     take_back: asyncio.Task[None] | None = None  # the last take-back sent for it: done once its server answered
+    generated: int = 0  # tokens its server reported at the last progress reading (0 at launch)
+    oldest: bool = False  # the oldest call of a stalled server: a 0-token answer is its failure
 
 
 class _Step(Generic[P]):
@@ -180,6 +198,8 @@ class _Step(Generic[P]):
         # Set once the step-end aborts went out: from then on an empty ABORTED answer is the abort's, not a failure.
         self.aborted = False
         self.aborts: dict[str, asyncio.Task[None]] = {}  # per server: this step's abort
+        # Per server: a progress reading in flight (stall check) and when it was sent.
+        self.readings: dict[str, tuple[asyncio.Task[Mapping[str, int] | None], float]] = {}
 
     # ------------------------------------------------------------ launching
     def fill(self) -> None:
@@ -269,6 +289,10 @@ class _Step(Generic[P]):
                 self.launch_needed = True  # its next chunk
         elif ending and result.finish is Finish.ABORTED:
             self.release(ref)
+        elif call.given_up is _Why.STALLED and result.finish is Finish.ABORTED and not call.oldest:
+            # Queued behind the stalled server's oldest call: it never ran, so it is no failure of its sample.
+            self.pool.count(stall_requeued_calls=1)
+            self.release(ref)
         else:
             # Refused by a closed gate, given up after a stall with nothing to show, or a server that returns
             # nothing while saying it finished: a failure.
@@ -302,6 +326,7 @@ class _Step(Generic[P]):
             return
         if why is _Why.STALLED:
             self.pool.count(stalled_calls=len(fresh))
+            fresh[0].oldest = True  # ``self.calls`` keeps launch order: the call that waited longest
         self.take_back(fresh)
 
     def take_back(self, calls: list[_Call]) -> None:
@@ -330,20 +355,24 @@ class _Step(Generic[P]):
 
     # ------------------------------------------------------------ timers
     def next_deadline(self) -> float | None:
-        """The earliest moment a rule fires: a busy server's stall deadline or a given-up call's grace end."""
-        deadlines = [self.progress[server] + self.config.request_timeout_s for server in self.busy()]
-        deadlines += [call.stage_at + self.config.abort_grace_s for call in self.given_up.values()]
+        """The earliest moment a rule fires: a busy server's stall check, the end of the grace of a progress reading or
+        of a given-up call."""
+        grace = self.config.abort_grace_s
+        timeout = self.config.request_timeout_s
+        deadlines = [self.progress[server] + timeout for server in self.busy() if server not in self.readings]
+        # An answered reading is due now (its wake-up may have come before the loop waited again).
+        deadlines += [self.loop.time() if task.done() else sent + grace for task, sent in self.readings.values()]
+        deadlines += [call.stage_at + grace for call in self.given_up.values()]
         return min(deadlines, default=None)
 
     def busy(self) -> list[str]:
         return [server for server, calls in self.active.items() if calls > 0]
 
     def fire_timers(self, now: float) -> None:
+        self.check_progress(now)
         for server in self.busy():
-            if now >= self.progress[server] + self.config.request_timeout_s:
-                self.router.avoid(server)
-                self.progress[server] = now
-                self.give_up([c for c in self.calls.values() if c.request.server == server], _Why.STALLED)
+            if server not in self.readings and now >= self.progress[server] + self.config.request_timeout_s:
+                self.read_progress(server, now)
         unanswered = [c for c in self.given_up.values() if now >= c.stage_at + self.config.abort_grace_s]
         again: list[_Call] = []
         cancel: list[_Call] = []
@@ -364,6 +393,40 @@ class _Step(Generic[P]):
         for call in unanswered:
             if call.stage is _Stage.CANCELLED and call.stage_at < now:
                 self.abandon(call)
+
+    def read_progress(self, server: str, now: float) -> None:
+        """A stall check: ask the server how far its calls got (module docstring, "Stalls")."""
+        self.pool.count(progress_reads=1)
+        task = self.background(self.backend.progress(server))
+        task.add_done_callback(lambda _: self.answer_arrived.set())  # wakes the loop to judge it
+        self.readings[server] = (task, now)
+
+    def check_progress(self, now: float) -> None:
+        """Judge every progress reading that was answered or whose grace ran out."""
+        for server, (task, sent) in list(self.readings.items()):
+            if not task.done() and now < sent + self.config.abort_grace_s:
+                continue
+            del self.readings[server]
+            calls = [c for c in self.calls.values() if c.request.server == server and c.given_up is None]
+            if not calls:
+                continue  # its calls answered or were given up meanwhile
+            if task.done() and not task.cancelled() and task.exception() is None:
+                held = task.result()
+                if held is None:  # the server cannot tell: no answer for request_timeout_s is a stall
+                    self.stalled(server, now)
+                    continue
+                grew = [c for c in calls if held.get(c.request.request_id, 0) > c.generated]
+                for call in grew:
+                    call.generated = held[call.request.request_id]
+                if grew:  # decoding: slow is not stuck
+                    self.progress[server] = max(self.progress[server], sent)
+                    continue
+            self.stalled(server, now)  # no token since the last reading, or no answer within the grace
+
+    def stalled(self, server: str, now: float) -> None:
+        self.router.avoid(server)
+        self.progress[server] = now
+        self.give_up([c for c in self.calls.values() if c.request.server == server], _Why.STALLED)
 
     def abandon(self, call: _Call) -> None:
         """A given-up call whose server did not even answer the cancel: forget it (its late answer is ignored)."""
@@ -416,12 +479,16 @@ class _Step(Generic[P]):
             return
         self.aborted = True
         self.aborts = {server: self.background(self.backend.abort(server)) for server in self.router.servers}
+        # Whatever is out is queued in an engine (holding vLLM's abort barrier), running, or in transit. Taking it all
+        # back now ends the first at once (no tokens: nothing to wait for), so the barrier falls and the abort ends the
+        # second with its tokens. This take-back is no stage of giving up: a call it missed (in transit, refused or
+        # parked at the closed gate) goes through the usual chain after the grace.
+        self.take_back(list(self.calls.values()))
         now = self.loop.time()
         grace_end = now + self.config.abort_grace_s
         while self.calls and now < grace_end:
             now = await self.wait(grace_end - now)
-        # Whatever is still out is queued in an engine (holding vLLM's abort barrier), running behind that barrier,
-        # or in transit: taking it back ends the first two with their tokens; the gate refuses the third.
+        # Still out: in transit at the first take-back, or running behind an abort that has not landed yet.
         self.give_up(list(self.calls.values()), _Why.STEP_END)
         while self.calls:
             await self.wait(None)

@@ -123,7 +123,14 @@ def apply_sglang_server_fix(server_cls: type) -> type:
     server_cls.generate = generate
     server_cls.abort_all_requests = abort_all_requests
     server_cls.resume_generation = resume_generation
+
+    async def progress_of_requests(self) -> None:
+        """The stall check's reading: SGLang's tokenizer manager receives a non-streamed request's tokens only when
+        it ends, so this server cannot tell a long decode from a stall; its stalls are judged by answers."""
+        return None
+
     server_cls.take_back_requests = take_back_requests
+    server_cls.progress_of_requests = progress_of_requests
     for name in _QUIESCING:
         if hasattr(server_cls, name):
             setattr(server_cls, name, _after_cancelled_settle(getattr(server_cls, name)))

@@ -191,4 +191,14 @@ def _add_vllm_take_back(module: ModuleType) -> None:
             await self.engine.abort(held)
         return held
 
+    async def progress_of_requests(self) -> dict[str, int]:
+        """Tokens so far of each request the engine holds, by the caller's id (the scheduler's stall check): read
+        from the output processor, which sees every engine step's new tokens even when only the final output is
+        returned. O(requests held), called only when the server answered nothing for ``request_timeout_s``."""
+        if self.node_rank != 0:
+            return {}
+        states = self.engine.output_processor.request_states.values()
+        return {state.external_req_id: state.detokenizer.num_output_tokens() for state in states}
+
     server_cls.take_back_requests = take_back_requests
+    server_cls.progress_of_requests = progress_of_requests

@@ -243,6 +243,13 @@ class WorkerSegmentBackend:
                 "returned, so their resume was never sent); validation would be answered with empty outputs"
             )
 
+    async def progress(self, server: str) -> dict[str, int] | None:
+        """Tokens so far of each request the server's replica holds (a stall check, ``SegmentBackend.progress``)."""
+        readings = await asyncio.gather(*self.engine.progress_calls(self.replicas[server]))
+        if any(reading is None for reading in readings):
+            return None
+        return {request_id: tokens for reading in readings for request_id, tokens in reading.items()}
+
     def reopening(self) -> dict[str, asyncio.Future[None]]:
         return {server: _on_loop(resumed) for server, resumed in self.resumes.items() if not resumed.done()}
 
