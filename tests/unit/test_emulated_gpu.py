@@ -16,11 +16,13 @@ import pytest
 import torch
 from driver_entry import model_override, run_driver, task_runner_view
 from transformers import Qwen2Config, Qwen2ForCausalLM
+from verl.workers.config import HFModelConfig, RolloutConfig
 
 from verl_partial.config import backend_config
 from verl_partial.cpu_backend.config import EMULATE_GPU_CHOICES, EMULATE_GPU_ENV, BackendConfig, EmulatedGpu
 from verl_partial.cpu_backend.engine import CpuBatchedEngine, SamplingParams
 from verl_partial.cpu_backend.occupancy import full_step_seconds, phase_slots
+from verl_partial.cpu_backend.rollout import CpuRolloutServer
 from verl_partial.sim.engine import ServerSpec
 from verl_partial.sim.hardware import GPUS, H100_SXM, MODELS, QWEN25_7B, Efficiency, ModelSpec
 
@@ -171,3 +173,25 @@ def test_refused_where_vllm_runs_the_engine(model):
         run_driver("+backend=cpu_vllm", EMULATE, model)
     with pytest.raises(ValueError, match="trainer.use_v1 must be false"):  # v1 carries no backend block at all
         run_driver("+backend=cpu_vllm_v1", "+" + EMULATE, model)
+
+
+def test_a_server_started_with_the_drivers_env_runs_the_modelled_engine(demo_assets, monkeypatch):
+    """What a Ray-launched server does: read ``VERL_PARTIAL_EMULATE_GPU``; its ``engine_stats`` carry the setting."""
+    monkeypatch.setenv(EMULATE_GPU_ENV, "H100-SXM/Qwen2.5-7B")
+    config = RolloutConfig(name="cpu", prompt_length=32, response_length=8, max_num_seqs=4)
+    server = CpuRolloutServer(
+        config=config, model_config=HFModelConfig(path=str(demo_assets.model_dir)), replica_rank=0
+    )
+    spec = EmulatedGpu("H100-SXM", "Qwen2.5-7B").server_spec(4)
+
+    async def run():
+        params = {"max_tokens": 4, "ignore_eos": True, "temperature": 1.0}
+        await server.generate(prompt_ids=[1, 2, 3], sampling_params=params, request_id="a")
+        await server.engine.close()
+
+    asyncio.run(run())
+    stats = server.engine_stats()
+    assert (stats["emulate_gpu"], stats["max_num_seqs"], stats["steps"]) == ("H100-SXM/Qwen2.5-7B", 4, 4)
+    # The prefill of 3 tokens, then 3 decodes at contexts 4, 5, 6: the simulator's step times for these shapes.
+    expected = spec.step_seconds(0, 0.0, 3, 4.5) + sum(spec.step_seconds(1, float(c)) for c in (4, 5, 6))
+    assert stats["modelled_s"] == pytest.approx(expected)
