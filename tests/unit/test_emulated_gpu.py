@@ -126,6 +126,13 @@ def test_slot_counters_of_a_phase(tiny_model):
     metrics = slots.metrics(trained_tokens=6, discarded_tokens=0)
     assert metrics["partial/slot_occupancy"] == pytest.approx(6 / 80)
     assert metrics["partial/slot/idle_fraction"] == pytest.approx(1 - 4 / 80)
+    # A phase in which the engine ran no step: capacity 0 is reported (a run sums it), no ratio is.
+    assert phase_slots([after], [after], wall_s=1.0).metrics(6, 0) == {
+        "partial/slot/capacity": 0.0,
+        "partial/engine/prefill_tokens": 0.0,
+        "partial/engine/steps": 0.0,
+        "partial/engine/overruns": 0.0,
+    }
 
 
 # ------------------------------------------------------------------------------------------ the setting

@@ -36,19 +36,21 @@ class PhaseSlots:
     overruns: int
 
     def metrics(self, trained_tokens: float, discarded_tokens: float, prefix: str = "partial/") -> dict[str, float]:
-        """The figures beside each other; empty when the engines ran no step (no capacity to divide by)."""
-        if self.capacity <= 0:
-            return {}
-        return {
-            f"{prefix}slot_occupancy": trained_tokens / self.capacity,
-            f"{prefix}slot/decoded_fraction": self.decode_rows / self.capacity,
-            f"{prefix}slot/idle_fraction": max(0.0, 1.0 - self.decode_rows / self.capacity),
-            f"{prefix}slot/discarded_fraction": discarded_tokens / self.capacity,
+        """The figures beside each other. A phase whose engines ran no step (every group it trained had finished
+        earlier) has no capacity and no ratios, but still reports its capacity, 0: a run's occupancy is the sum of
+        ``tokens_trained`` over the sum of ``slot/capacity``, every step counted."""
+        metrics = {
             f"{prefix}slot/capacity": self.capacity,
             f"{prefix}engine/prefill_tokens": float(self.prefill_tokens),
             f"{prefix}engine/steps": float(self.steps),
             f"{prefix}engine/overruns": float(self.overruns),
         }
+        if self.capacity > 0:
+            metrics[f"{prefix}slot_occupancy"] = trained_tokens / self.capacity
+            metrics[f"{prefix}slot/decoded_fraction"] = self.decode_rows / self.capacity
+            metrics[f"{prefix}slot/idle_fraction"] = max(0.0, 1.0 - self.decode_rows / self.capacity)
+            metrics[f"{prefix}slot/discarded_fraction"] = discarded_tokens / self.capacity
+        return metrics
 
 
 def full_step_seconds(before: Mapping[str, Any], after: Mapping[str, Any]) -> float:
