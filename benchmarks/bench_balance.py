@@ -65,12 +65,12 @@ from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 from verl.utils.seqlen_balancing import calculate_workload, get_seqlen_balanced_partitions
 
 from benchmarks._machine import cpu_name
-from verl_partial.core.balance import balance_groups
-from verl_partial.core.balance_bound import efficiency_lower_bound
-from verl_partial.core.balance_config import BalanceConfig
-from verl_partial.core.balance_eval import evaluate_permutation
-from verl_partial.core.balance_ranks import assign_ranks
-from verl_partial.glue.balance import balance_batch_by_group
+from verl_partial.config.balance import BalanceConfig
+from verl_partial.core.balance.bound import efficiency_lower_bound
+from verl_partial.core.balance.eval import evaluate_permutation
+from verl_partial.core.balance.groups import balance_groups
+from verl_partial.core.balance.ranks import assign_ranks
+from verl_partial.glue.dataproto import balance_batch_by_group
 
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
 REPO = Path(__file__).resolve().parents[1]
@@ -162,13 +162,17 @@ def verl_default_perm(workload: np.ndarray, dp: int) -> list[int]:
 
 
 def load_balancer_at(rev: str) -> Callable[..., object]:
-    """``balance_groups`` from ``verl_partial/core/balance.py`` at git revision ``rev``."""
-    src = subprocess.run(
-        ["git", "show", f"{rev}:verl_partial/core/balance.py"], cwd=REPO, check=True, capture_output=True, text=True
-    ).stdout
+    """``balance_groups`` at git revision ``rev``: ``verl_partial/core/balance/groups.py``, or for a revision before
+    the package was laid out by feature, ``verl_partial/core/balance.py``."""
+    for path in ("verl_partial/core/balance/groups.py", "verl_partial/core/balance.py"):
+        shown = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO, capture_output=True, text=True)
+        if shown.returncode == 0:
+            break
+    shown.check_returncode()
+    src = shown.stdout
     module = types.ModuleType(f"balance_at_{rev}")
     sys.modules[module.__name__] = module  # dataclasses look their module up
-    exec(compile(src, f"{rev}:verl_partial/core/balance.py", "exec"), module.__dict__)
+    exec(compile(src, f"{rev}:{path}", "exec"), module.__dict__)
     return module.balance_groups
 
 

@@ -53,6 +53,7 @@ import re
 import statistics
 import sys
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from statistics import NormalDist
@@ -63,10 +64,11 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from benchmarks._machine import cpu_name
-from verl_partial.core.finish import Finish, finish_mapper
-from verl_partial.core.partial_config import PRESETS, PartialConfig
-from verl_partial.core.pool import GroupState, RolloutPool, SegmentRequest
-from verl_partial.core.scheduler import SegmentResult, run_step
+from verl_partial.config.partial import PRESETS, PartialConfig
+from verl_partial.core.engines.adapter import finish_mapper
+from verl_partial.core.partial.finish import Finish
+from verl_partial.core.partial.pool import GroupState, RolloutPool, SegmentRequest
+from verl_partial.core.partial.scheduler import SegmentResult, run_step
 from verl_partial.cpu_backend.engine import CpuBatchedEngine, EngineStats, SamplingParams
 
 START, END = "<!-- bench:start -->", "<!-- bench:end -->"
@@ -232,13 +234,17 @@ class EngineSegmentBackend:
                 call.cancel()
             await self.engine.abort(request.request_id)
 
-    async def abort_all(self) -> None:
+    async def abort(self, server: str) -> None:
         # Pause first so nothing queued is scheduled between the abort and the step's end (vLLM's pause_generation).
         self.engine.pause()
         await self.engine.abort_all()
 
-    async def resume(self) -> None:
+    async def resume(self, server: str) -> None:
         self.engine.resume()
+
+    def reopening(self) -> dict[str, Awaitable[None]]:
+        """None: the engine's abort returns once every call has answered and its resume is immediate."""
+        return {}
 
 
 # ---------------------------------------------------------------------------------------------- modes

@@ -400,7 +400,7 @@ def run_mode(mode: str, scale: Scale, cache: Path) -> dict[str, Any]:
             return time.perf_counter() - wall, time.thread_time() - cpu, len(output)
 
     else:
-        from verl_partial.glue.partial_rollout import PartialAgentLoopManager, PartialRolloutLoader
+        from verl_partial.glue.partial.rollout import PartialAgentLoopManager, PartialRolloutLoader
 
         manager = PartialAgentLoopManager.create(config, llm_client=client)
         replicas = [SimReplica(handle, address) for handle, address in zip(handles, addresses, strict=True)]
@@ -471,7 +471,7 @@ def _partial_config(config: Any) -> Any:
 
     from omegaconf import open_dict
 
-    from verl_partial.core.partial_config import PartialConfig
+    from verl_partial.config.partial import PartialConfig
 
     known = {f.name for f in dataclasses.fields(PartialConfig)}
     with open_dict(config):

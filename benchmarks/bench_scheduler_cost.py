@@ -21,10 +21,10 @@ import time
 
 import numpy as np
 
-from verl_partial.core.finish import Finish
-from verl_partial.core.partial_config import PRESETS
-from verl_partial.core.pool import GroupState, RolloutPool, SegmentRequest, SegmentResult
-from verl_partial.core.scheduler import run_step
+from verl_partial.config.partial import PRESETS
+from verl_partial.core.partial.finish import Finish
+from verl_partial.core.partial.pool import GroupState, RolloutPool, SegmentRequest, SegmentResult
+from verl_partial.core.partial.scheduler import run_step
 from verl_partial.sim.clock import run_virtual
 
 N, RESPONSE_LENGTH, TOKENS_PER_S, SERVERS, STEPS = 16, 16384, 30.0, 8, 3

@@ -28,7 +28,7 @@ prompt token ids, sample index). How the target reaches each path -- benchmark-o
   sample keeps its target), and a segment that reaches the target ends the sample (``Finish.EOS``, i.e. it counts
   as the model's end). The sample index is the pool's, from the request id ``<group>/<index>/<call>``.
 
-Measured: verl's ``timing_s/gen`` per step from verl's own file logger (for partial rollout, verl_patches puts the
+Measured: verl's ``timing_s/gen`` per step from verl's own file logger (for partial rollout, patches.trainer puts the
 scheduler's rollout time there), steady state = steps >= 2; plus tokens generated / trained / discarded, staleness and
 resumed fraction from the ``partial/*`` metrics, and verl's ``response_length/mean`` for sync.
 """
@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
-from verl_partial.core.finish import Finish
+from verl_partial.core.partial.finish import Finish
 from verl_partial.sim.bound import StepCostFloor, phase_floor
 
 REPO = Path(__file__).resolve().parents[1]
@@ -179,7 +179,7 @@ def record_engine_steps(folder: Path) -> None:
 
 def install_partial_hook() -> None:
     """Imposed lengths in ``PartialAgentLoopWorker`` (the partial modes)."""
-    from verl_partial.glue.partial_agent_loop import PartialAgentLoopWorker
+    from verl_partial.glue.partial.agent_loop import PartialAgentLoopWorker
 
     generate, sampling_params = PartialAgentLoopWorker._generate, PartialAgentLoopWorker.sampling_params
 

@@ -26,7 +26,7 @@ import asyncio
 from collections import deque
 from dataclasses import dataclass, field
 
-from verl_partial.core.finish import Finish
+from verl_partial.core.partial.finish import Finish
 from verl_partial.sim.clock import run_virtual
 from verl_partial.sim.engine import ServerSpec, SimServer
 from verl_partial.sim.workload import Workload

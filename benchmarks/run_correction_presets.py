@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from verl_partial.cli import demo_command
-from verl_partial.core.correction import PRESET_NAMES, preset
+from verl_partial.config.correction import PRESET_NAMES, preset
 from verl_partial.demo.assets import build_assets, hydra_overrides
 
 RUN_TIMEOUT_S = 420

@@ -22,7 +22,7 @@ import json
 import time
 from pathlib import Path
 
-from verl_partial.core.partial_config import PartialConfig
+from verl_partial.config.partial import PartialConfig
 from verl_partial.sim.engine import ServerSpec
 from verl_partial.sim.hardware import H100_SXM, QWEN25_7B, QWEN25_32B
 from verl_partial.sim.run import ceiling, mode_configs, simulate, summarize, throughput_limit

@@ -33,8 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.sim_gpu_projection import SETUPS
-from verl_partial.core import scheduler
-from verl_partial.core.pool import RolloutPool
+from verl_partial.core.partial import scheduler
+from verl_partial.core.partial.pool import RolloutPool
 from verl_partial.sim import run as simrun
 from verl_partial.sim.backend import SimBackend
 from verl_partial.sim.run import ModeRun, mode_configs, simulate, throughput_limit

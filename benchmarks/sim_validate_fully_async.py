@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.fully_async_model import FullyAsyncSetup, simulate_fully_async
-from verl_partial.core.partial_config import PartialConfig
+from verl_partial.config.partial import PartialConfig
 from verl_partial.sim.engine import ServerSpec
 from verl_partial.sim.hardware import H20, QWEN25_7B
 from verl_partial.sim.run import simulate

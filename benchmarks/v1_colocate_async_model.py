@@ -80,8 +80,8 @@ from functools import partial
 
 import numpy as np
 
-from verl_partial.core.finish import Finish
-from verl_partial.core.pool import GroupState, SampleRef, SegmentRequest, SegmentResult
+from verl_partial.core.partial.finish import Finish
+from verl_partial.core.partial.pool import GroupState, SampleRef, SegmentRequest, SegmentResult
 from verl_partial.sim.backend import SimBackend
 from verl_partial.sim.clock import run_virtual
 from verl_partial.sim.engine import ServerSpec

@@ -23,8 +23,8 @@ CORRECTION_RESOLVER = "verl_partial.rollout_correction"
 
 def _verl_rollout_correction_field(verl_key: str, *, _root_: DictConfig) -> Any:
     """verl's ``algorithm.rollout_correction.<verl_key>`` for the ``rollout_correction`` block of ``_root_``."""
-    from verl_partial.config import correction_config
-    from verl_partial.core.correction import to_verl_fields
+    from verl_partial.config.correction import to_verl_fields
+    from verl_partial.config.job import correction_config
 
     correction = correction_config(_root_)
     if correction is None:

@@ -33,15 +33,15 @@ def register_with_hydra() -> None:
 
 try:
     register_with_hydra()
-    from verl_partial import verl_patches
+    from verl_partial.patches import apply
 
-    verl_patches.install()
+    apply.install()
 except Exception as error:  # noqa: BLE001 - any failure must surface, whatever its type
     LOAD_ERROR = error
     message = f"verl-partial failed to register with verl and is inactive: {error!r}"
     logging.getLogger("verl_partial").error(message)
     warnings.warn(message, RuntimeWarning, stacklevel=1)
     try:
-        verl_patches.install_failure_guard(error)
+        apply.install_failure_guard(error)
     except Exception:  # noqa: BLE001 - the warning above already reports the failure
         pass

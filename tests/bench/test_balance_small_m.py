@@ -1,15 +1,15 @@
 """The balancer's small-m claim (docs/balance.md) on the balance benchmark's own batches (benchmarks/bench_balance.py).
 
 The batches come from the benchmark so that the claim is checked on the workloads it is published for, at a scale a
-test can afford; the balancer itself is the product's (verl_partial.core.balance*).
+test can afford; the balancer itself is the product's (verl_partial.core.balance.groups*).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from verl_partial.core.balance import balance_groups
-from verl_partial.core.balance_eval import evaluate_permutation
+from verl_partial.core.balance.eval import evaluate_permutation
+from verl_partial.core.balance.groups import balance_groups
 
 # The benchmark's batches (benchmarks/bench_balance.py), scaled down to 4k samples x 8 ranks and 16k x 64
 # at the smallest m. Random whole-group assignment uses the same rank step, so the comparison isolates

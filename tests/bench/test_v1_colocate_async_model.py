@@ -15,7 +15,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from verl_partial.core.finish import Finish
+from verl_partial.core.partial.finish import Finish
 from verl_partial.sim.engine import ServerSpec
 from verl_partial.sim.hardware import H100_SXM, QWEN25_7B
 from verl_partial.sim.workload import Workload

@@ -17,8 +17,8 @@ import pytest
 import torch
 from harness import Run, checkpointed_partial_overrides, cut_at_checkpoint, ledger, ledger_accounting, run_trainer
 
-from verl_partial.core.length_batching import longest_expected_first
-from verl_partial.core.partial_config import STATE_FILE
+from verl_partial.config.partial import STATE_FILE
+from verl_partial.core.partial.length_batching import longest_expected_first
 
 pytestmark = pytest.mark.e2e
 

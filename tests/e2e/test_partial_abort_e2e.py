@@ -24,7 +24,7 @@ import pytest
 import torch
 from harness import BACKENDS, run_trainer
 
-from verl_partial.glue.partial_agent_loop import TRANSIT_DELAY_ENV
+from verl_partial.glue.partial.agent_loop import TRANSIT_DELAY_ENV
 
 pytestmark = pytest.mark.e2e
 

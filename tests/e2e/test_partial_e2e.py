@@ -24,7 +24,7 @@ from harness import (
     run_trainer,
 )
 
-from verl_partial.core.partial_config import STATE_FILE
+from verl_partial.config.partial import STATE_FILE
 
 pytestmark = pytest.mark.e2e
 

@@ -32,7 +32,7 @@ from harness import (
     run_trainer,
 )
 
-from verl_partial.core.partial_config import STATE_FILE
+from verl_partial.config.partial import STATE_FILE
 from verl_partial.demo.assets import tool_overrides
 from verl_partial.demo.tools import TOOL_DELAY_ENV, TOOL_LOG_ENV
 

@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from verl.plugin.platform import get_platform, set_platform
 from verl.trainer import main_ppo
 
-from verl_partial.verl_patches import CPU_PLATFORM_ENV as PLATFORM_ENV
+from verl_partial.patches.cpu import CPU_PLATFORM_ENV as PLATFORM_ENV
 
 VERL_CONFIG_DIR = Path(verl.__file__).parent / "trainer" / "config"
 # verl's defaults leave every micro-batch size unset, which its own validate_config refuses.

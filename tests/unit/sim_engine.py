@@ -27,7 +27,7 @@ SGLang 0.5.12 behind verl's ``SGLangHttpServer`` (``sglang/srt/managers/schedule
     abort before length and length before EOS: the extra token may be an EOS or the last allowed token while the
     reason says "abort", and an EOS that is the last allowed token says "length";
   * ``pause_generation(mode="abort")`` parks late arrivals at ``is_pause_cond`` (it ignores ``reject_request``);
-    the rejecting gate of our server fix (``verl_partial/glue/sglang_server.py``) is modelled by ``reject_request``:
+    the rejecting gate of our server fix (``verl_partial/glue/engines/sglang.py``) is modelled by ``reject_request``:
     it closes BEFORE the pause and answers late arrivals "abort" with no tokens;
   * ``abort_request(rid)`` matches request ids BY PREFIX;
   * a Ray-cancelled call sends no abort (no ``CancelledError`` handler): the request keeps decoding and holding its
@@ -54,8 +54,8 @@ from typing import Literal
 
 import numpy as np
 
-from verl_partial.core.finish import FINISH_MAPPERS
-from verl_partial.core.pool import GroupState, SegmentRequest, SegmentResult
+from verl_partial.core.engines.adapter import FINISH_MAPPERS
+from verl_partial.core.partial.pool import GroupState, SegmentRequest, SegmentResult
 from verl_partial.sim.clock import run_virtual
 
 __all__ = [

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 from driver_entry import model_override, run_driver
 
-from verl_partial.core.partial_config import STATE_FILE
+from verl_partial.config.partial import STATE_FILE
 
 P = "+partial=default"
 RC = "+rollout_correction"
@@ -226,7 +226,7 @@ def test_group_written_as_a_plain_value_in_a_user_yaml(tmp_path, model: str) -> 
             config_name="my_trainer",
             overrides=[f"hydra.searchpath=[file://{driver_entry.VERL_CONFIG_DIR}]", model, *driver_entry.MICRO_BATCHES],
         )
-    from verl_partial.config import validate_root_config
+    from verl_partial.config.job import validate_root_config
 
     with pytest.raises(ValueError, match=r"partial is the plain value 'default'.*\+partial=default"):
         validate_root_config(config)

@@ -1,4 +1,4 @@
-"""Tests of the pure group-preserving balancer (verl_partial.core.balance*) and its config.
+"""Tests of the pure group-preserving balancer (verl_partial.core.balance.groups*) and its config.
 
 The invariants are checked against brute-force recomputations written with plain loops, so a bug in the
 vectorised stats code cannot hide a bug in the planner.
@@ -16,12 +16,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from verl_partial.core.balance import balance_groups
-from verl_partial.core.balance_bound import efficiency_lower_bound
-from verl_partial.core.balance_config import COST_MODELS, ON_INFEASIBLE_MODES, BalanceConfig
-from verl_partial.core.balance_eval import evaluate_permutation
-from verl_partial.core.balance_layout import BalanceInfeasibleError, check_layout
-from verl_partial.core.balance_ranks import assign_ranks
+from verl_partial.config.balance import COST_MODELS, ON_INFEASIBLE_MODES, BalanceConfig
+from verl_partial.core.balance.bound import efficiency_lower_bound
+from verl_partial.core.balance.eval import evaluate_permutation
+from verl_partial.core.balance.groups import balance_groups
+from verl_partial.core.balance.layout import BalanceInfeasibleError, check_layout
+from verl_partial.core.balance.ranks import assign_ranks
 
 REPO = Path(__file__).resolve().parents[2]
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

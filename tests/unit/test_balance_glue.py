@@ -14,11 +14,11 @@ from omegaconf import OmegaConf
 from verl import DataProto
 from verl.utils.seqlen_balancing import calculate_workload
 
-from verl_partial import trainer_hooks
-from verl_partial.config import check_balance_against_trainer, check_balance_critic
-from verl_partial.core.balance_config import BalanceConfig
-from verl_partial.core.balance_eval import evaluate_permutation
-from verl_partial.glue.balance import balance_batch_by_group, flops_per_sample, sample_costs
+from verl_partial.config.balance import BalanceConfig
+from verl_partial.config.job import check_balance_against_trainer, check_balance_critic
+from verl_partial.core.balance.eval import evaluate_permutation
+from verl_partial.glue import trainer_hooks
+from verl_partial.glue.dataproto import balance_batch_by_group, flops_per_sample, sample_costs
 
 
 def make_batch(group_sizes, seed=0, max_len=64, key="uid"):

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from verl_partial import config_docs
-from verl_partial.core.correction import BLOCK as CORRECTION_BLOCK
-from verl_partial.core.correction import RENAMED_KEYS
+from verl_partial.config import docs as config_docs
+from verl_partial.config.correction import BLOCK as CORRECTION_BLOCK
+from verl_partial.config.correction import RENAMED_KEYS
 
 REPO = Path(__file__).resolve().parents[2]
 BLOCKS = {block.key: block for block in config_docs.blocks()}
@@ -19,7 +19,7 @@ BLOCKS = {block.key: block for block in config_docs.blocks()}
 def test_the_page_is_current() -> None:
     """Reads the checkout's page, wherever the package is installed (CI installs it into site-packages)."""
     page = REPO / config_docs.PAGE
-    assert config_docs.main(["--check", "--page", str(page)]) == 0, "run: python -m verl_partial.config_docs"
+    assert config_docs.main(["--check", "--page", str(page)]) == 0, "run: python -m verl_partial.config.docs"
 
 
 @pytest.mark.parametrize("block", BLOCKS)

@@ -21,8 +21,7 @@ from verl.trainer.config.algorithm import RolloutCorrectionConfig as VerlConfig
 from verl.trainer.ppo.rollout_corr_helper import SUPPORTED_ROLLOUT_RS_OPTIONS, apply_bypass_mode
 from verl.utils.config import omega_conf_to_dataclass
 
-from verl_partial.config import correction_config
-from verl_partial.core.correction import (
+from verl_partial.config.correction import (
     BYPASS_LOSS_MODE,
     DEFAULT_PRESET,
     PRESET_NAMES,
@@ -37,6 +36,7 @@ from verl_partial.core.correction import (
     to_verl_fields,
     veto_k2_threshold,
 )
+from verl_partial.config.job import correction_config
 from verl_partial.glue.correction import to_verl_config
 
 REPO = Path(__file__).resolve().parents[2]

@@ -23,18 +23,16 @@ from verl.trainer.ppo.rollout_corr_helper import (
 )
 from verl.workers.config.actor import ActorConfig, PolicyLossConfig
 
-from verl_partial.core.correction import PRESET_NAMES, VERL_PRESET_NAMES, RolloutCorrectionConfig, preset
-from verl_partial.core.correction_math import split_by_lag, token_lags
-from verl_partial.glue.correction import (
-    ALL_REJECTED_METRIC,
+from verl_partial.config.correction import PRESET_NAMES, VERL_PRESET_NAMES, RolloutCorrectionConfig, preset
+from verl_partial.core.correction.math import split_by_lag, token_lags
+from verl_partial.glue.correction import ALL_REJECTED_METRIC, guard_all_rejected, to_verl_config
+from verl_partial.glue.dataproto import (
     POLICY_VERSION_KEY,
     STALE_TOKENS_METRIC,
     apply_staleness_mask,
     compute_lag_split_metrics,
-    guard_all_rejected,
-    to_verl_config,
 )
-from verl_partial.verl_patches import install_all_rejected_guard
+from verl_partial.patches.correction import install_all_rejected_guard
 
 torch.set_num_threads(1)
 

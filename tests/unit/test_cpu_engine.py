@@ -582,3 +582,73 @@ def test_sglang_max_tokens_zero_answers_no_tokens_with_length(model: Qwen2ForCau
 def test_unknown_semantics_is_refused_by_name(model: Qwen2ForCausalLM) -> None:
     with pytest.raises(ValueError, match="semantics must be one of"):
         CpuBatchedEngine(model, eos_token_ids=set(), semantics="trtllm")  # type: ignore[arg-type]
+
+
+def test_device_cpu_is_the_default_engine(model: Qwen2ForCausalLM) -> None:
+    """``device="cpu"`` (as a string or a torch.device) is the engine as it was: same tokens, same log-probs."""
+    prompts = _prompts(5, 12, 3)
+    params = SamplingParams(max_tokens=10, temperature=1.0, top_k=50, top_p=0.9)
+
+    async def main(**device: object) -> list[GenerationResult]:
+        engine = CpuBatchedEngine(model, eos_token_ids=set(), seed=0, **device)
+        results = await asyncio.gather(*(engine.generate(f"r{i}", p, params) for i, p in enumerate(prompts)))
+        await engine.close()
+        return results
+
+    default = _run(main)
+    for device in ("cpu", torch.device("cpu")):
+        assert _run(lambda d=device: main(device=d)) == default
+    assert [(len(r.token_ids), r.stop_reason) for r in default] == [(10, "length")] * len(prompts)
+
+
+def test_dtype_casts_the_model_and_its_cache_in_place() -> None:
+    """``dtype=`` casts the caller's module in place (the engine serves that very module) and the KV cache follows;
+    the batched forward still matches a plain recompute of the cast model."""
+    model = _build(Qwen2ForCausalLM, _qwen2_config())
+    prompt = _prompts(9)[0]
+
+    async def main() -> tuple[GenerationResult, CpuBatchedEngine]:
+        engine = CpuBatchedEngine(model, eos_token_ids=set(), seed=0, dtype=torch.float64)
+        result = await engine.generate("r", prompt, SamplingParams(max_tokens=8, temperature=1.0))
+        await engine.close()
+        return result, engine
+
+    result, engine = _run(main)
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    assert engine.device == torch.device("cpu")
+    assert engine.kv_cache_bytes > 0 and engine._kv._keys[0].dtype == torch.float64
+    _assert_matches_recompute(model, prompt, result)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "key"),
+    [({"device": "not-a-device"}, "device"), ({"dtype": torch.int64}, "dtype"), ({"dtype": "bfloat16"}, "dtype")],
+)
+def test_bad_device_or_dtype_is_refused_by_name(model: Qwen2ForCausalLM, kwargs: dict[str, object], key: str) -> None:
+    with pytest.raises(ValueError, match=f"^{key} must be"):
+        CpuBatchedEngine(model, eos_token_ids=set(), **kwargs)
+
+
+def test_every_tensor_of_a_step_is_made_on_the_models_device(model: Qwen2ForCausalLM) -> None:
+    """What a GPU run needs, checked without a GPU: with ``meta`` as torch's default device, a tensor the engine made
+    without naming its device would land on ``meta`` and meet the model's CPU tensors (an error) or hold no data
+    (an error when read). Prefill, decode over several length buckets, top-k / top-p, greedy and seeded rows."""
+    prompts = _prompts(3, 40, 150)
+    params = [
+        SamplingParams(max_tokens=6, temperature=1.0, top_k=20, top_p=0.9),
+        SamplingParams(max_tokens=6, temperature=0.0),
+        SamplingParams(max_tokens=6, seed=3),
+    ]
+
+    async def main() -> list[GenerationResult]:
+        engine = CpuBatchedEngine(model, eos_token_ids=set(), seed=0, virtual_step_s=STEP_S)  # steps on this thread
+        results = await asyncio.gather(
+            *(engine.generate(f"r{i}", p, s) for i, (p, s) in enumerate(zip(prompts, params, strict=True)))
+        )
+        await engine.close()
+        return results
+
+    with torch.device("meta"):
+        results = _virtual(main)
+    assert [len(r.token_ids) for r in results] == [6, 6, 6]
+    _assert_matches_recompute(model, prompts[1], results[1])

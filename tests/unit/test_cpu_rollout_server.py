@@ -17,10 +17,11 @@ from transformers import AutoModelForCausalLM
 from verl.workers.config import HFModelConfig, RolloutConfig
 from verl.workers.rollout.replica import TokenOutput
 
-from verl_partial.core.finish import Finish, from_vllm
-from verl_partial.core.partial_config import PartialConfig
-from verl_partial.core.pool import RolloutPool, SegmentResult
-from verl_partial.core.scheduler import run_step
+from verl_partial.config.partial import PartialConfig
+from verl_partial.core.engines.vllm import from_vllm
+from verl_partial.core.partial.finish import Finish
+from verl_partial.core.partial.pool import RolloutPool, SegmentResult
+from verl_partial.core.partial.scheduler import run_step
 from verl_partial.cpu_backend.rollout import GATE_BARRIER_TIMEOUT_S, CpuRolloutServer, FaultInjection, to_engine_params
 from verl_partial.sim.clock import run_virtual
 

@@ -23,7 +23,7 @@ from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, Ra
 from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
 
 from verl_partial.cpu_backend.platform import PlatformCPU
-from verl_partial.verl_patches import cpu_threads
+from verl_partial.patches.driver import cpu_threads
 
 
 class ThreadProbe(Worker):

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 from driver_entry import model_override, run_driver, task_runner_view
 
-from verl_partial.verl_patches import CPU_PLATFORM_ENV, VLLM_CPU_ENV
+from verl_partial.glue.engines.vllm import VLLM_CPU_ENV
+from verl_partial.patches.cpu import CPU_PLATFORM_ENV
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ from driver_entry import model_override, run_driver, task_runner_view
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from verl.workers.config import HFModelConfig, RolloutConfig
 
-from verl_partial.config import backend_config
-from verl_partial.cpu_backend.config import EMULATE_GPU_CHOICES, EMULATE_GPU_ENV, BackendConfig, EmulatedGpu
+from verl_partial.config.backend import EMULATE_GPU_CHOICES, EMULATE_GPU_ENV, BackendConfig, EmulatedGpu
+from verl_partial.config.job import backend_config
 from verl_partial.cpu_backend.engine import CpuBatchedEngine, SamplingParams
 from verl_partial.cpu_backend.occupancy import full_step_seconds, phase_slots
 from verl_partial.cpu_backend.rollout import CpuRolloutServer

@@ -12,15 +12,10 @@ from __future__ import annotations
 import pytest
 from verl.workers.rollout.replica import TokenOutput
 
-from verl_partial.core.finish import (
-    Finish,
-    check_model_len,
-    eos_id_set,
-    finish_mapper,
-    finished,
-    from_sglang,
-    from_vllm,
-)
+from verl_partial.core.engines.adapter import check_model_len, finish_mapper
+from verl_partial.core.engines.sglang import from_sglang
+from verl_partial.core.engines.vllm import from_vllm
+from verl_partial.core.partial.finish import Finish, eos_id_set, finished
 
 # Qwen2.5: tokenizer eos 151645 (<|im_end|>), generation_config adds 151643 (<|endoftext|>).
 EOS_IDS = eos_id_set(151645, [151645, 151643], None)

@@ -1,7 +1,7 @@
 """The glue's reach into verl's private members is declared in one place and checked at start-up (issue 21).
 
 Partial rollout's glue subclasses verl's AgentLoopWorker, AgentLoopManager and ToolAgentLoop and reuses some of
-their private methods (padding, reward and metrics, tool turns) rather than copying them. ``verl_patches`` lists
+their private methods (padding, reward and metrics, tool turns) rather than copying them. ``patches.guard`` lists
 them; a verl that renamed one must refuse to start, naming it, instead of failing mid-run.
 """
 
@@ -12,12 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from verl_partial import verl_patches
-from verl_partial.glue import partial_agent_loop, partial_rollout, partial_tool_loop
+from verl_partial.glue.partial import agent_loop as partial_agent_loop
+from verl_partial.glue.partial import rollout as partial_rollout
+from verl_partial.glue.partial import tool_loop as partial_tool_loop
+from verl_partial.patches import guard
 
 
 def test_the_installed_verl_has_everything_the_glue_reuses():
-    verl_patches.check_glue_reach()
+    guard.check_glue_reach()
 
 
 def test_every_private_verl_member_the_glue_uses_is_declared():
@@ -35,16 +37,16 @@ def test_every_private_verl_member_the_glue_uses_is_declared():
         for name in vars(cls)
     }
     assigned = {name for source in sources for name in re.findall(r"self\.(_[a-z][a-z_]*)\s*(?::[^=\n]*)?=", source)}
-    declared = {name for names in verl_patches.GLUE_PRIVATE_METHODS.values() for name in names}
-    declared |= {name for names in verl_patches.GLUE_PRIVATE_ATTRIBUTES.values() for name in names}
+    declared = {name for names in guard.GLUE_PRIVATE_METHODS.values() for name in names}
+    declared |= {name for names in guard.GLUE_PRIVATE_ATTRIBUTES.values() for name in names}
     assert used - defined - assigned <= declared, sorted(used - defined - assigned - declared)
 
 
 def test_a_verl_without_one_of_them_is_refused_naming_it(monkeypatch):
     monkeypatch.setitem(
-        verl_patches.GLUE_PRIVATE_METHODS,
+        guard.GLUE_PRIVATE_METHODS,
         "verl.experimental.agent_loop.agent_loop:AgentLoopWorker",
         ("_agent_loop_postprocess", "_renamed_in_a_later_verl"),
     )
-    with pytest.raises(verl_patches.UnsupportedVerlError, match="AgentLoopWorker._renamed_in_a_later_verl"):
-        verl_patches.check_glue_reach()
+    with pytest.raises(guard.UnsupportedVerlError, match="AgentLoopWorker._renamed_in_a_later_verl"):
+        guard.check_glue_reach()

@@ -8,7 +8,7 @@ import selectors
 import numpy as np
 import pytest
 
-from verl_partial.core.finish import Finish
+from verl_partial.core.partial.finish import Finish
 from verl_partial.sim.cli import main
 from verl_partial.sim.clock import run_virtual
 from verl_partial.sim.engine import ServerSpec, SimServer, lognormal_sigma

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-from verl_partial.core.finish import Finish
-from verl_partial.core.partial_config import PartialConfig
-from verl_partial.core.pool import RolloutPool
+from verl_partial.config.partial import PartialConfig
+from verl_partial.core.partial.finish import Finish
+from verl_partial.core.partial.pool import RolloutPool
 from verl_partial.sim.backend import SimBackend
 from verl_partial.sim.clock import run_virtual
 from verl_partial.sim.engine import GATE_BARRIER_TIMEOUT_S, ServerSpec, SimServer

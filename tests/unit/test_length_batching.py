@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from verl_partial.core.length_batching import LengthBatcher, longest_expected_first
-from verl_partial.core.partial_config import PRESETS, PartialConfig
+from verl_partial.config.partial import PRESETS, PartialConfig
+from verl_partial.core.partial.length_batching import LengthBatcher, longest_expected_first
 
 
 class Counting:

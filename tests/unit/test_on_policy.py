@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from test_plugin_and_config import compose
 
-from verl_partial.config import validate_root_config
-from verl_partial.core.on_policy import LengthEstimator
-from verl_partial.core.partial_config import PartialConfig
-from verl_partial.core.pool import GroupState, RolloutPool, SampleRef
+from verl_partial.config.job import validate_root_config
+from verl_partial.config.partial import PartialConfig
+from verl_partial.core.partial.on_policy import LengthEstimator
+from verl_partial.core.partial.pool import GroupState, RolloutPool, SampleRef
 
 
 def _finish(group: GroupState, index: int, length: int) -> None:

@@ -16,11 +16,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from verl_partial.config import model_max_positions
-from verl_partial.core.finish import Finish
-from verl_partial.core.partial_config import PartialConfig
-from verl_partial.core.pool import REQUEST_ID_END, RolloutPool, SegmentResult
-from verl_partial.core.trajectory import Trajectory
+from verl_partial.config.job import model_max_positions
+from verl_partial.config.partial import PartialConfig
+from verl_partial.core.partial.finish import Finish
+from verl_partial.core.partial.pool import REQUEST_ID_END, RolloutPool, SegmentResult
+from verl_partial.core.partial.trajectory import Trajectory
 
 # An ordinary job's scale per sample (512 prompts x 16 samples x 16k tokens): what matters is bytes per sample.
 GROUPS, GROUP_SIZE, PROMPT, RESPONSE = 2, 16, 1_024, 16_384

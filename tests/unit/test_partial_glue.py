@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from test_plugin_and_config import compose
 
-from verl_partial.config import validate_root_config
-from verl_partial.core.finish import Finish
-from verl_partial.glue.engines import engine_adapter
-from verl_partial.glue.partial_rollout import _chunk_bounds
+from verl_partial.config.job import validate_root_config
+from verl_partial.core.engines.adapter import engine_adapter
+from verl_partial.core.partial.finish import Finish
+from verl_partial.glue.partial.rollout import _chunk_bounds
 
 
 class _RemoteMethod:
@@ -46,7 +46,7 @@ class Replica:
 
 @pytest.mark.parametrize(("engine", "controlled"), [("vllm", 2), ("cpu", 2), ("sglang", 1)])
 def test_each_engine_closes_its_gates_rejecting_late_arrivals(engine, controlled):
-    """Every engine's gate refuses late arrivals at the step end (SGLang's through verl_partial.glue.sglang_server);
+    """Every engine's gate refuses late arrivals at the step end (SGLang's through verl_partial.glue.engines.sglang);
     SGLang takes control calls on a replica's first server only (verl's SGLangReplica), vLLM and ours on each."""
     adapter = engine_adapter(engine)
     replicas = [Replica(2), Replica(2)]

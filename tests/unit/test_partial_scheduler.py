@@ -34,11 +34,11 @@ from sim_engine import (
     target_length,
 )
 
-from verl_partial.core.finish import Finish
-from verl_partial.core.partial_config import PartialConfig
-from verl_partial.core.pool import RolloutPool, SegmentResult, length_bias_metrics
-from verl_partial.core.routing import Router
-from verl_partial.core.scheduler import OutOfPrompts, run_step
+from verl_partial.config.partial import PartialConfig
+from verl_partial.core.partial.finish import Finish
+from verl_partial.core.partial.pool import RolloutPool, SegmentResult, length_bias_metrics
+from verl_partial.core.partial.routing import Router
+from verl_partial.core.partial.scheduler import OutOfPrompts, run_step
 
 TRAIN_S = 30.0  # virtual seconds of "training" between steps: gates are open, nothing may generate
 WATCHDOG_S = 30.0  # real seconds without an event-loop iteration: the driver spins (a busy loop)

@@ -26,13 +26,13 @@ from verl.utils import hf_tokenizer
 from verl.utils.dataset.rl_dataset import RLHFDataset
 from verl.workers.config import HFModelConfig, RolloutConfig
 
-from verl_partial.core.finish import eos_id_set
-from verl_partial.core.partial_config import PartialConfig
-from verl_partial.core.trajectory import Phase, Trajectory
+from verl_partial.config.partial import PartialConfig
+from verl_partial.core.partial.finish import eos_id_set
+from verl_partial.core.partial.trajectory import Phase, Trajectory
 from verl_partial.cpu_backend.rollout import CpuRolloutServer
 from verl_partial.demo.assets import TOOL_CONFIG_PATH, tool_overrides
 from verl_partial.demo.tools import TOOL_LOG_ENV
-from verl_partial.glue.partial_tool_loop import PartialToolAgentLoop
+from verl_partial.glue.partial.tool_loop import PartialToolAgentLoop
 
 GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0, "logprobs": True}
 PROMPTS = 8

@@ -19,11 +19,11 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_dir
 from omegaconf import OmegaConf
 
-from verl_partial import verl_patches
-from verl_partial.config import balance_config, partial_config, validate_root_config
-from verl_partial.core import balance_config as balance_module
-from verl_partial.core import partial_config as partial_module
-from verl_partial.core.partial_config import PartialConfig
+from verl_partial.config import balance as balance_module
+from verl_partial.config import partial as partial_module
+from verl_partial.config.job import balance_config, partial_config, validate_root_config
+from verl_partial.config.partial import PartialConfig
+from verl_partial.patches import apply, guard, imports
 
 REPO = Path(__file__).resolve().parents[2]
 GROUPS = REPO / "hydra_configs"
@@ -42,13 +42,13 @@ def compose(*groups: str, **dotted: object):
 
 @pytest.mark.parametrize("version", ["0.8.5", "0.10.0", "1.0.0"])
 def test_unsupported_verl_is_refused_loudly(version):
-    with pytest.raises(verl_patches.UnsupportedVerlError, match=r"verl >=0\.9\.0,<0\.10\.0"):
-        verl_patches.check_verl_version(version)
+    with pytest.raises(guard.UnsupportedVerlError, match=r"verl >=0\.9\.0,<0\.10\.0"):
+        guard.check_verl_version(version)
 
 
 def test_supported_verl_passes():
-    verl_patches.check_verl_version("0.9.1")
-    verl_patches.check_verl_version(verl.__version__)
+    guard.check_verl_version("0.9.1")
+    guard.check_verl_version(verl.__version__)
 
 
 def test_plugin_registered_the_cpu_backend_in_this_process():
@@ -68,7 +68,7 @@ def test_a_failed_install_warns_and_then_refuses_configs_that_need_it(monkeypatc
     import verl_partial.plugin as plugin
 
     monkeypatch.setattr(device, "auto_set_device", device.auto_set_device)  # restored after the test
-    monkeypatch.setattr(verl_patches, "install", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(apply, "install", lambda: (_ for _ in ()).throw(RuntimeError("boom")))
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -181,7 +181,7 @@ def test_backend_name_is_validated():
 
 
 def test_trainer_hooks_are_inert_without_our_blocks():
-    from verl_partial import trainer_hooks
+    from verl_partial.glue import trainer_hooks
 
     config = compose()
     trainer = SimpleNamespace(config=config, train_dataloader=object())
@@ -193,7 +193,7 @@ def test_trainer_hooks_are_inert_without_our_blocks():
 
 
 def test_disabled_partial_leaves_the_dataloader_alone():
-    from verl_partial import trainer_hooks
+    from verl_partial.glue import trainer_hooks
 
     trainer = SimpleNamespace(config=compose("partial/default", partial__enable=False), train_dataloader=object())
     loader = trainer.train_dataloader
@@ -209,8 +209,8 @@ def test_two_import_hooks_on_one_module_both_run_without_recursion(tmp_path, mon
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
     fired: list[str] = []
-    verl_patches.after_import("vp_hooked_module", lambda module: fired.append(f"first:{module.VALUE}"))
-    verl_patches.after_import("vp_hooked_module", lambda module: fired.append(f"second:{module.VALUE}"))
+    imports.after_import("vp_hooked_module", lambda module: fired.append(f"first:{module.VALUE}"))
+    imports.after_import("vp_hooked_module", lambda module: fired.append(f"second:{module.VALUE}"))
     try:
         importlib.import_module("vp_hooked_module")
     finally:
@@ -224,7 +224,7 @@ def test_reading_our_config_loads_no_glue_verl_or_torch():
     import sys
 
     script = (
-        "import sys, verl_partial.config; "
+        "import sys, verl_partial.config.job; "
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('verl', 'torch', 'ray') "
         "or m.startswith('verl_partial.glue')); print(heavy)"
     )

@@ -37,8 +37,8 @@ import pytest
 from sim_engine import SimEngine, SimServer
 from test_partial_scheduler import StepStalled, check_groups, simulate
 
-from verl_partial.core.partial_config import PartialConfig
-from verl_partial.core.scheduler import OutOfPrompts
+from verl_partial.config.partial import PartialConfig
+from verl_partial.core.partial.scheduler import OutOfPrompts
 from verl_partial.sim.clock import BusyLoop, run_virtual
 
 PROFILES = ("vllm", "sglang")

@@ -8,8 +8,8 @@ import asyncio
 import concurrent.futures
 import threading
 
-from verl_partial.glue.engines import engine_adapter
-from verl_partial.glue.segment_backend import WorkerSegmentBackend
+from verl_partial.core.engines.adapter import engine_adapter
+from verl_partial.glue.partial.segment_backend import WorkerSegmentBackend
 
 
 class Ref:

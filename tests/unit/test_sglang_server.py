@@ -1,6 +1,6 @@
 """SGLang mode of the CPU test server (SGLang 0.5.12 semantics behind verl 0.9.1's SGLangHttpServer), each behaviour
 shown on the double as verl ships it (``CpuSglangServer``: the bug) and with verl-partial's server fix applied the way
-``verl_patches`` applies it to verl's class (``FixedCpuSglangServer``: the fix). Everything runs on the virtual clock
+``patches.apply`` applies it to verl's class (``FixedCpuSglangServer``: the fix). Everything runs on the virtual clock
 (engine steps of ``STEP_S``), so no assertion depends on wall-clock time."""
 
 from __future__ import annotations
@@ -17,14 +17,15 @@ from verl.workers.config import HFModelConfig, RolloutConfig
 from verl.workers.rollout import base as rollout_base
 from verl.workers.rollout.replica import RolloutMode, RolloutReplicaRegistry
 
-from verl_partial import verl_patches
 from verl_partial.cpu_backend.rollout import (
     SGLANG_PAUSE_POLL_S,
     CpuSglangReplica,
     CpuSglangServer,
     FixedCpuSglangServer,
 )
-from verl_partial.glue.sglang_server import apply_sglang_server_fix
+from verl_partial.glue.engines import sglang
+from verl_partial.glue.engines.sglang import apply_sglang_server_fix
+from verl_partial.patches import apply, cpu
 from verl_partial.sim.clock import run_virtual
 
 STEP_S = 0.01
@@ -273,7 +274,7 @@ def test_sglang_fix_is_applied_once_and_by_the_after_import_hook():
             return None
 
     module = SimpleNamespace(SGLangHttpServer=Server)
-    verl_patches._fix_sglang_server(module)
+    sglang._fix_sglang_server(module)
     patched = Server.generate
     assert apply_sglang_server_fix(Server) is Server and Server.generate is patched
     assert hasattr(Server, "take_back_requests")
@@ -282,10 +283,10 @@ def test_sglang_fix_is_applied_once_and_by_the_after_import_hook():
 def test_cpu_sglang_backend_makes_sglang_resolve_to_the_double(monkeypatch):
     monkeypatch.setattr(RolloutReplicaRegistry, "_registry", dict(RolloutReplicaRegistry._registry))
     monkeypatch.setattr(rollout_base, "_ROLLOUT_REGISTRY", dict(rollout_base._ROLLOUT_REGISTRY))
-    monkeypatch.setenv(verl_patches.CPU_SGLANG_ENV, "1")
-    verl_patches.install_sglang_support()
+    monkeypatch.setenv(cpu.CPU_SGLANG_ENV, "1")
+    apply.install_sglang_support()
     assert RolloutReplicaRegistry.get("sglang") is CpuSglangReplica
-    assert rollout_base._ROLLOUT_REGISTRY[("sglang", "async")] == verl_patches.CPU_SERVER_ADAPTER
+    assert rollout_base._ROLLOUT_REGISTRY[("sglang", "async")] == cpu.CPU_SERVER_ADAPTER
 
 
 def test_ray_sees_the_reject_request_parameter_of_the_fixed_abort_all():
@@ -338,7 +339,7 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 @pytest.fixture
 def verl_sglang_server(monkeypatch):
     """verl 0.9.1's real ``SGLangHttpServer`` class, imported over stub SGLang modules; verl-partial's plugin hook
-    (``verl_patches.install_sglang_support``) applies the fix when the module is imported, as in production."""
+    (``patches.apply.install_sglang_support``) applies the fix when the module is imported, as in production."""
     finder = _StubFinder()
     monkeypatch.setattr(sys, "meta_path", [finder, *sys.meta_path])
     before = set(sys.modules)
@@ -348,7 +349,7 @@ def verl_sglang_server(monkeypatch):
     io_struct.GenerateReqInput = dict
     for request_type in ("PauseGenerationReqInput", "ContinueGenerationReqInput", "ReleaseMemoryOccupationReqInput"):
         setattr(io_struct, request_type, SimpleNamespace)
-    verl_patches.install_sglang_support()
+    apply.install_sglang_support()
     module = importlib.import_module(VERL_SGLANG_SERVER)
     yield module.SGLangHttpServer
     for name in set(sys.modules) - before:

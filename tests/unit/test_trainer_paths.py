@@ -20,8 +20,8 @@ from verl.trainer.main_ppo import TaskRunnerV1
 from verl.trainer.main_ppo_v0 import TaskRunner as TaskRunnerV0
 from verl.utils.config import omega_conf_to_dataclass
 
-from verl_partial import trainer_hooks
-from verl_partial.core.correction import PRESET_NAMES, VERL_PRESET_NAMES, preset, to_verl_fields
+from verl_partial.config.correction import PRESET_NAMES, VERL_PRESET_NAMES, preset, to_verl_fields
+from verl_partial.glue import trainer_hooks
 
 REPO = Path(__file__).resolve().parents[2]
 RUNNERS = {False: TaskRunnerV0, True: TaskRunnerV1}

@@ -1,4 +1,4 @@
-"""Parked multi-turn trajectories (``verl_partial.core.trajectory``): a trajectory parked anywhere -- mid model
+"""Parked multi-turn trajectories (``verl_partial.core.partial.trajectory``): a trajectory parked anywhere -- mid model
 turn, or between turns with tool calls pending -- and resumed through a checkpoint ends with exactly the tokens,
 masks and log-probs of an uninterrupted run, and runs each tool call once."""
 
@@ -10,10 +10,10 @@ import zlib
 import numpy as np
 import pytest
 
-from verl_partial.core.finish import Finish
-from verl_partial.core.partial_config import PartialConfig
-from verl_partial.core.pool import RolloutPool, SegmentResult
-from verl_partial.core.trajectory import NO_VERSION, Phase, Trajectory
+from verl_partial.config.partial import PartialConfig
+from verl_partial.core.partial.finish import Finish
+from verl_partial.core.partial.pool import RolloutPool, SegmentResult
+from verl_partial.core.partial.trajectory import NO_VERSION, Phase, Trajectory
 
 EOS, CALL = 2, 50
 RESPONSE_LENGTH = 64

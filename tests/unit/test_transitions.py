@@ -12,10 +12,10 @@ from verl import DataProto
 from verl.trainer.ppo.core_algos import agg_loss
 from verl.utils.model import compute_position_id_with_mask
 
-from verl_partial import trainer_hooks
-from verl_partial.core.balance_config import BalanceConfig
-from verl_partial.core.transitions import padding_rows, plan_transitions, turn_spans
-from verl_partial.glue.transitions import (
+from verl_partial.config.balance import BalanceConfig
+from verl_partial.core.balance.transitions import padding_rows, plan_transitions, turn_spans
+from verl_partial.glue import trainer_hooks
+from verl_partial.glue.dataproto import (
     IS_FINAL,
     IS_PADDING,
     TRAJECTORY_ID,

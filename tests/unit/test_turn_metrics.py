@@ -1,4 +1,4 @@
-"""Multi-turn metrics split by turn (``verl_partial.core.turn_metrics``), on trajectories built through the
+"""Multi-turn metrics split by turn (``verl_partial.core.partial.turn_metrics``), on trajectories built through the
 ``Trajectory`` transitions the tool loop uses: which turn a token belongs to, per-turn staleness, and where
 trajectories were parked at a step end."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from verl_partial.core.trajectory import Trajectory
-from verl_partial.core.turn_metrics import model_turn_of_tokens, parked_turn_metrics, trained_turn_metrics
+from verl_partial.core.partial.trajectory import Trajectory
+from verl_partial.core.partial.turn_metrics import model_turn_of_tokens, parked_turn_metrics, trained_turn_metrics
 
 RESPONSE_LENGTH = 200
 CALL = {"name": "calculator", "arguments": '{"expression": "1+1"}'}

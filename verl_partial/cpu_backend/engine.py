@@ -196,6 +196,8 @@ class CpuBatchedEngine:
         semantics: Semantics = "vllm",
         virtual_step_s: float | None = None,
         step_time: StepTimeModel | None = None,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
     ) -> None:
         """
         Args:
@@ -217,6 +219,11 @@ class CpuBatchedEngine:
                 engine sleeps the rest of ``step_time(*shape)`` seconds (typically
                 ``verl_partial.sim.engine.ServerSpec.step_seconds``), cores idle; a step whose compute exceeds it
                 is counted in ``stats.overruns``. Not with ``virtual_step_s``.
+            device: where the model, its KV cache and the sampling run (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...).
+                The model is moved there in place (``nn.Module.to``), so the caller's module is the engine's; one
+                engine serves both, the GPU only making each step faster (benchmarks/gpu_engine_curve.py).
+            dtype: cast the model's floating-point weights to this dtype (e.g. ``torch.bfloat16`` on a GPU);
+                ``None`` keeps the model's own. The KV cache takes the model's dtype.
         """
         if virtual_step_s is not None and step_time is not None:
             raise ValueError("virtual_step_s and step_time both set the step time; give one")
@@ -234,6 +241,13 @@ class CpuBatchedEngine:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.logprobs_mode: LogprobsMode = logprobs_mode
         self.eos_token_ids = frozenset(eos_token_ids)
+        try:
+            self.device = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda', got {device!r}") from exc
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"dtype must be a floating-point torch dtype or None, got {dtype!r}")
+        model.to(device=self.device, dtype=dtype)
         self._kv = SlotKVModel(model, max_slots=max_num_seqs, max_model_len=self.max_model_len)
         self._weights = model.state_dict(keep_vars=True)  # includes tied aliases such as lm_head.weight
         self._shared_generator = torch.Generator()
@@ -631,13 +645,14 @@ def sample(
     chosen = raw
     random_rows = [row for row, (params, _) in enumerate(samplers) if params.temperature > 0]
     if random_rows:
-        index = torch.tensor(random_rows)
+        index = torch.tensor(random_rows, device=logits.device)
         params = [samplers[row][0] for row in random_rows]
-        temperatures = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
+        temperatures = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
+        temperatures = temperatures.unsqueeze(1)
         processed = torch.log_softmax(_truncate(logits[index] / temperatures, params), dim=-1)
         probs = processed.double().exp()
         cdf = probs.cumsum(dim=-1)
-        uniforms = _uniforms([samplers[row][1] for row in random_rows], shared_generator)
+        uniforms = _uniforms([samplers[row][1] for row in random_rows], shared_generator).to(logits.device)
         picked = torch.searchsorted(cdf, (uniforms * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)
         # Rounding can push the draw past the last token with mass; fall back to that token.
         last_with_mass = probs.shape[-1] - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)
@@ -651,12 +666,15 @@ def sample(
 
 def _uniforms(generators: list[torch.Generator | None], shared: torch.Generator) -> torch.Tensor:
     shared_rows = [row for row, g in enumerate(generators) if g is None]
-    uniforms = torch.empty(len(generators), dtype=torch.float64)
+    # On the CPU generators' device whatever the model's: a seeded request draws the same uniforms everywhere.
+    uniforms = torch.empty(len(generators), dtype=torch.float64, device=shared.device)
     if shared_rows:
-        uniforms[shared_rows] = torch.rand(len(shared_rows), dtype=torch.float64, generator=shared)
+        uniforms[shared_rows] = torch.rand(
+            len(shared_rows), dtype=torch.float64, generator=shared, device=shared.device
+        )
     for row, generator in enumerate(generators):
         if generator is not None:
-            uniforms[row] = torch.rand((), dtype=torch.float64, generator=generator)
+            uniforms[row] = torch.rand((), dtype=torch.float64, generator=generator, device=generator.device)
     return uniforms
 
 
@@ -670,12 +688,14 @@ def _truncate(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tenso
     sorted_logits, order = scaled.sort(dim=-1, descending=True)
     remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
     if use_k:
-        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params])
-        remove |= torch.arange(vocab).unsqueeze(0) >= top_k.unsqueeze(1)
+        top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], device=scaled.device)
+        remove |= torch.arange(vocab, device=scaled.device).unsqueeze(0) >= top_k.unsqueeze(1)
     if use_p:
         sorted_probs = torch.softmax(sorted_logits.masked_fill(remove, float("-inf")), dim=-1)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
         # top_p == 1 must keep everything, whatever the rounding of the cumulative sum.
-        top_p = torch.tensor([p.top_p if p.top_p < 1 else float("inf") for p in params], dtype=scaled.dtype)
+        top_p = torch.tensor(
+            [p.top_p if p.top_p < 1 else float("inf") for p in params], dtype=scaled.dtype, device=scaled.device
+        )
         remove |= mass_before >= top_p.unsqueeze(1)
     return scaled.scatter(-1, order, sorted_logits.masked_fill(remove, float("-inf")))

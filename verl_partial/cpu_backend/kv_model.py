@@ -69,7 +69,8 @@ class SlotKVModel:
     """A causal LM plus a static KV cache with one row ("slot") per running sequence.
 
     Not thread-safe: the engine calls it from a single worker thread. All methods must run under
-    ``torch.inference_mode()`` (the cache tensors are inference tensors).
+    ``torch.inference_mode()`` (the cache tensors are inference tensors). The cache and every index tensor live on
+    the model's device (the device of its LM head), so the same code runs on CPU and on a GPU.
     """
 
     def __init__(self, model: nn.Module, *, max_slots: int, max_model_len: int) -> None:
@@ -85,6 +86,7 @@ class SlotKVModel:
         self.group = self.num_heads // self.num_kv_heads
         self.scaling: float = model.model.layers[0].self_attn.scaling
         self._dtype = model.lm_head.weight.dtype
+        self.device = model.lm_head.weight.device
         self._keys: list[torch.Tensor] = []
         self._values: list[torch.Tensor] = []
         self._num_slots = 0
@@ -112,7 +114,7 @@ class SlotKVModel:
         shape = (slots, self.num_kv_heads, capacity, self.head_dim)
         for cache in (self._keys, self._values):
             for index in range(len(self.model.model.layers)):
-                grown = torch.zeros(shape, dtype=self._dtype)
+                grown = torch.zeros(shape, dtype=self._dtype, device=self.device)
                 if index < len(cache):
                     grown[: self._num_slots, :, : self._capacity] = cache[index]
                     cache[index] = grown
@@ -134,18 +136,17 @@ class SlotKVModel:
         """
         lengths = [len(p) for p in prompts]
         width = max(lengths)
-        ids = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            ids[row, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-        positions = torch.arange(width).expand(len(prompts), width)
+        padded = [prompt + [0] * (width - len(prompt)) for prompt in prompts]
+        ids = torch.tensor(padded, dtype=torch.long, device=self.device)
+        positions = torch.arange(width, device=self.device).expand(len(prompts), width)
         hidden = self._layers_forward(ids, positions, slice(first_slot, first_slot + len(prompts)), prefill=True)
-        last = hidden[torch.arange(len(prompts)), torch.tensor(lengths) - 1]
+        last = hidden[torch.arange(len(prompts), device=self.device), torch.tensor(lengths, device=self.device) - 1]
         return self._logits(last)
 
     def decode(self, token_ids: list[int], positions: list[int]) -> torch.Tensor:
         """One token for each of slots ``0..n-1`` at the given positions; return float32 logits [n, V]."""
-        ids = torch.tensor(token_ids, dtype=torch.long).unsqueeze(1)
-        pos = torch.tensor(positions, dtype=torch.long).unsqueeze(1)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device).unsqueeze(1)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device).unsqueeze(1)
         hidden = self._layers_forward(ids, pos, slice(0, len(token_ids)), prefill=False)
         return self._logits(hidden[:, 0])
 
@@ -161,14 +162,15 @@ class SlotKVModel:
         cos, sin = backbone.rotary_emb(hidden, positions)
         cos_q, sin_q = cos[:, None, None], sin[:, None, None]  # broadcast over [B, KVH, G, T, D]
         cos_k, sin_k = cos[:, None], sin[:, None]  # broadcast over [B, KVH, T, D]
-        rows = torch.arange(slots.start, slots.stop)
+        rows = torch.arange(slots.start, slots.stop, device=self.device)
         # Query at position p sees keys 0..p of its own slot: causal for prefill, the slot's history for decode.
         # Decode attends per length bucket (see _length_buckets) instead of padding every row to the longest.
-        buckets = [torch.arange(batch)] if prefill else _length_buckets(positions[:, 0])
+        buckets = [torch.arange(batch, device=self.device)] if prefill else _length_buckets(positions[:, 0])
         spans = []
         for members in buckets:
             key_len = width if prefill else int(positions[members].max()) + 1
-            visible = torch.arange(key_len)[None, None, :] <= positions[members][:, :, None]  # [b, T, L]
+            key_positions = torch.arange(key_len, device=self.device)
+            visible = key_positions[None, None, :] <= positions[members][:, :, None]  # [b, T, L]
             mask = visible[:, None, None].expand(len(members), 1, self.group, width, key_len)
             spans.append((members, key_len, mask.reshape(len(members), 1, -1, key_len)))
         for index, layer in enumerate(backbone.layers):

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from verl_partial.cpu_backend.config import EmulatedGpu
+from verl_partial.config.backend import EmulatedGpu
 
 
 @dataclass(frozen=True)

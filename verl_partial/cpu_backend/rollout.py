@@ -32,15 +32,9 @@ from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 from verl.workers.rollout.utils import get_max_position_embeddings
 
-from verl_partial.cpu_backend.config import EMULATE_GPU_ENV, EmulatedGpu
-from verl_partial.cpu_backend.engine import (
-    CpuBatchedEngine,
-    EngineRequest,
-    GenerationResult,
-    SamplingParams,
-    Semantics,
-)
-from verl_partial.glue.sglang_server import apply_sglang_server_fix
+from verl_partial.config.backend import EMULATE_GPU_ENV, EmulatedGpu
+from verl_partial.cpu_backend.engine import CpuBatchedEngine, EngineRequest, GenerationResult, SamplingParams, Semantics
+from verl_partial.glue.engines.sglang import apply_sglang_server_fix
 
 logger = logging.getLogger("verl_partial.cpu_backend")
 
@@ -356,7 +350,7 @@ class CpuRolloutServer(_CpuServerBase):
         return {"aborted": False, "error": f"Request {request_id} not found"}
 
     async def take_back_requests(self, request_ids: list[str]) -> list[str]:
-        """What verl-partial adds to verl's vLLM server (``verl_patches._add_vllm_take_back``): ``AsyncLLM.abort``
+        """What verl-partial adds to verl's vLLM server (``glue.engines.vllm._add_vllm_take_back``): ``AsyncLLM.abort``
         by the caller's ids. Each request the engine holds ends "aborted" through its ``generate`` call (running:
         every token so far; queued: none); any other id (parked at the gate, in transit, done) is untouched.
         Returns the ids the engine held."""
@@ -514,7 +508,7 @@ class CpuSglangServer(_CpuServerBase):
     """The counterpart of verl 0.9.1's ``SGLangHttpServer`` (``sglang_rollout/async_sglang_server.py``) over
     :class:`SglangTokenizerManager`, exactly as verl ships it: ``abort_all_requests()`` takes no
     ``reject_request``, there is no per-request abort, and a cancelled ``generate`` sends no abort.
-    :func:`~verl_partial.glue.sglang_server.apply_sglang_server_fix` adds those, to this class as to verl's."""
+    :func:`~verl_partial.glue.engines.sglang.apply_sglang_server_fix` adds those, to this class as to verl's."""
 
     SEMANTICS = "sglang"
 

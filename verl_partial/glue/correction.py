@@ -8,7 +8,7 @@ config itself (``verl_partial.hydra_resolvers``). Two verl 0.9.1 behaviours this
 * The bypass loss raises ``ValueError`` for a micro-batch without a valid token (verl #6485 in its
   0.9 form) and ``token-mean`` divides 0 by 0 for an empty mini-batch; ``guard_all_rejected`` turns
   such a micro-batch into an exact zero-loss contribution and counts it. It only wraps a function:
-  putting the wrapped losses into verl's registry is ``verl_patches.install_all_rejected_guard``.
+  putting the wrapped losses into verl's registry is ``patches.correction.install_all_rejected_guard``.
 * verl's metrics average over all tokens whatever policy version sampled them; with partial
   rollout, ``compute_lag_split_metrics`` reruns verl's own metric function per version lag.
 """
@@ -20,24 +20,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from verl import DataProto
 from verl.trainer.config.algorithm import RolloutCorrectionConfig as VerlRolloutCorrectionConfig
-from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
 
-from verl_partial.core.correction import (
-    BLOCK,
-    RolloutCorrectionConfig,
-    to_verl_fields,
-)
-from verl_partial.core.correction_math import mask_stale_tokens, split_by_lag, token_lags
+from verl_partial.config.correction import RolloutCorrectionConfig, to_verl_fields
 
-POLICY_VERSION_KEY = "rollout_policy_version"
-STALE_TOKENS_METRIC = "rollout_corr/stale_tokens_masked"
 ALL_REJECTED_METRIC = "rollout_corr/all_rejected_microbatches"
 _RS_MASKED_FRACTION = "rollout_corr/rollout_rs_masked_fraction"
 _GUARD_MARK = "_verl_partial_all_rejected_guard"
-# verl fields that select the loss, not the correction statistics.
-_LOSS_FIELDS = ("bypass_mode", "loss_type")
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, Any]]]
 
@@ -45,59 +34,6 @@ PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, Any]]]
 def to_verl_config(cfg: RolloutCorrectionConfig) -> VerlRolloutCorrectionConfig:
     """verl's own typed config for ``cfg``."""
     return VerlRolloutCorrectionConfig(**to_verl_fields(cfg))
-
-
-def compute_lag_split_metrics(batch: DataProto, cfg: RolloutCorrectionConfig, current_version: int) -> dict[str, float]:
-    """``rollout_corr/lag_{k}/...``: verl's rollout-correction metrics over the tokens of each lag k.
-
-    Needs ``old_log_probs``, ``rollout_log_probs``, ``response_mask`` and the per-token int tensor
-    ``rollout_policy_version`` in ``batch.batch``; returns ``{}`` without the latter or with
-    ``log_by_lag`` off. Each lag gets ``token_fraction`` (its share of valid tokens) and, in
-    decoupled mode, every metric of verl's ``compute_rollout_correction_and_rejection_mask`` under
-    ``cfg`` (IS, RS, KL, PPL, chi2), computed on the rows holding that lag with only its tokens
-    unmasked. In bypass mode π_old is π_rollout on the driver, so only ``token_fraction`` is logged.
-    """
-    tensors = batch.batch
-    if not cfg.log_by_lag or POLICY_VERSION_KEY not in tensors.keys():
-        return {}
-    response_mask = tensors["response_mask"]
-    lags = token_lags(tensors[POLICY_VERSION_KEY], current_version, response_mask)
-    total_tokens = int(response_mask.bool().sum())
-    verl_kwargs = {key: value for key, value in to_verl_fields(cfg).items() if key not in _LOSS_FIELDS}
-    metrics: dict[str, float] = {}
-    for lag_slice in split_by_lag(lags, response_mask):
-        prefix = f"rollout_corr/lag_{lag_slice.lag}/"
-        metrics[prefix + "token_fraction"] = lag_slice.num_tokens / total_tokens
-        if cfg.bypass_mode:
-            continue
-        _, _, lag_metrics = compute_rollout_correction_and_rejection_mask(
-            old_log_prob=tensors["old_log_probs"][lag_slice.rows],
-            rollout_log_prob=tensors["rollout_log_probs"][lag_slice.rows],
-            response_mask=lag_slice.mask,
-            **verl_kwargs,
-        )
-        metrics.update({prefix + key.removeprefix("rollout_corr/"): value for key, value in lag_metrics.items()})
-    return metrics
-
-
-def apply_staleness_mask(batch: DataProto, cfg: RolloutCorrectionConfig, current_version: int) -> dict[str, float]:
-    """Zero ``response_mask`` for tokens older than ``cfg.max_staleness`` versions; count them.
-
-    A no-op returning ``{}`` when ``max_staleness`` is null. Replaces the mask tensor rather
-    than editing it in place, as verl's own rejection sampling does, so views taken earlier keep
-    the unmasked values.
-    """
-    if cfg.max_staleness is None:
-        return {}
-    tensors = batch.batch
-    if POLICY_VERSION_KEY not in tensors.keys():
-        raise ValueError(
-            f"{BLOCK}.max_staleness={cfg.max_staleness} needs the per-token {POLICY_VERSION_KEY!r} "
-            "tensor in the batch (written by partial rollout); without it no token's age is known"
-        )
-    lags = token_lags(tensors[POLICY_VERSION_KEY], current_version, tensors["response_mask"])
-    tensors["response_mask"], masked = mask_stale_tokens(tensors["response_mask"], lags, cfg.max_staleness)
-    return {STALE_TOKENS_METRIC: float(masked)}
 
 
 def guard_all_rejected(policy_loss_fn: PolicyLossFn) -> PolicyLossFn:

@@ -14,8 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from verl_partial.core.finish import Finish
-from verl_partial.core.pool import GroupState, SegmentRequest, SegmentResult
+from verl_partial.core.partial.finish import Finish
+from verl_partial.core.partial.pool import GroupState, SegmentRequest, SegmentResult
 from verl_partial.sim.engine import EngineOutcome, ServerSpec, SimServer
 from verl_partial.sim.workload import Workload
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from verl_partial.core.finish import Finish
+from verl_partial.core.partial.finish import Finish
 from verl_partial.sim.hardware import Efficiency, GpuSpec, ModelSpec
 
 # Longest run of decode steps planned at once; a bound on the numpy arrays, not a model parameter.

@@ -30,7 +30,10 @@ H800_SXM = GpuSpec("H800-SXM", 80 * GB, 3.35 * TB, 989e12)
 # NVIDIA H20 (China export part): 96 GB HBM3, 4.0 TB/s, 148 TFLOPS bf16/fp16 dense.
 H20 = GpuSpec("H20", 96 * GB, 4.0 * TB, 148e12)
 
-GPUS = {gpu.name: gpu for gpu in (H100_SXM, H800_SXM, H20)}
+# NVIDIA H200 SXM data sheet: 141 GB HBM3e, 4.8 TB/s, 989 TFLOPS bf16 dense (the H100's tensor cores).
+H200_SXM = GpuSpec("H200-SXM", 141 * GB, 4.8 * TB, 989e12)
+
+GPUS = {gpu.name: gpu for gpu in (H100_SXM, H800_SXM, H20, H200_SXM)}
 
 
 @dataclass(frozen=True)

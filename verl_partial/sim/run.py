@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from verl_partial.core.length_batching import LengthBatcher
-from verl_partial.core.on_policy import length_estimator
-from verl_partial.core.partial_config import PRESETS, PartialConfig
-from verl_partial.core.pool import RolloutPool
-from verl_partial.core.scheduler import run_step
+from verl_partial.config.partial import PRESETS, PartialConfig
+from verl_partial.core.partial.length_batching import LengthBatcher
+from verl_partial.core.partial.on_policy import length_estimator
+from verl_partial.core.partial.pool import RolloutPool
+from verl_partial.core.partial.scheduler import run_step
 from verl_partial.sim.backend import SimBackend
 from verl_partial.sim.bound import StepCostFloor, phase_floor
 from verl_partial.sim.clock import run_virtual
@@ -33,7 +33,7 @@ def mode_configs(batch: int) -> dict[str, PartialConfig]:
     """The modes the projection compares: every ``+partial`` preset under its name (``PRESETS``), and variants.
 
     ``default``, ``restart``, ``kimi``, ``on_policy``: the presets of hydra_configs/partial/, as
-    ``verl_partial.core.partial_config.PRESETS`` defines them. ``sync``: ``restart`` without over-provisioning,
+    ``verl_partial.config.partial.PRESETS`` defines them. ``sync``: ``restart`` without over-provisioning,
     so a step waits for its slowest sample and nothing is parked -- verl's synchronous rollout. ``keep``:
     ``restart`` with ``staleness_policy=keep``. ``on_policy_over``: ``on_policy`` with over-provisioning
     (unfinished samples are restarted on the new weights, their tokens thrown away). ``default_extra``: ``default``'s
@@ -101,7 +101,8 @@ def simulate(
     """``steps`` rollout phases of ``config`` on ``servers`` simulated servers, in virtual time.
 
     ``partial.schedule=longest_first`` orders launches, and ``partial.length_window_steps`` composes batches, with a
-    :class:`~verl_partial.core.on_policy.LengthEstimator` over the prompts' history (prompt identity = its index in
+    :class:`~verl_partial.core.partial.on_policy.LengthEstimator` over the prompts' history (prompt identity = its
+    index in
     the workload's data set) and their finished siblings. ``pool_type`` and
     ``source_type`` let an experiment try a scheduling variant before it becomes a knob
     (benchmarks/sim_tail_levers.py).

@@ -1,0 +1,1 @@
+"""Group-preserving batch balancing, and the transition plan for ``balance.rows=transition``."""

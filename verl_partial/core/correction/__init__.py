@@ -1,0 +1,1 @@
+"""Rollout correction's tensor side: token lags and masks (torch, no verl)."""

@@ -1,0 +1,1 @@
+"""Partial rollout: the pool of parked samples, the step scheduler and what they decide with."""

