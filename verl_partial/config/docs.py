@@ -3,8 +3,8 @@
 ``python -m verl_partial.config.docs``, run from the repository root, rewrites the page; ``--check`` exits 1 when
 it is out of date (tests/unit/test_config_docs.py runs the same comparison). The documentation of a key lives in
 one place, the docstring right under its field (the attribute docstrings of ``PartialConfig``,
-``RolloutCorrectionConfig``, ``BalanceConfig``; ``BackendConfig``'s single field is documented by its class
-docstring), so a new knob without a docstring fails the test instead of going missing from the docs.
+``RolloutCorrectionConfig``, ``BalanceConfig``, ``BackendConfig``), so a new knob without a docstring fails the
+test instead of going missing from the docs.
 """
 
 from __future__ import annotations
@@ -78,10 +78,7 @@ def blocks() -> list[Block]:
 
 
 def field_docs(cls: type) -> dict[str, str]:
-    """Each field's docstring (the string literal right under it in the class body), whitespace-normalised.
-
-    A dataclass of a single field may document it in the class docstring instead.
-    """
+    """Each field's docstring (the string literal right under it in the class body), whitespace-normalised."""
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs: dict[str, str] = {}
@@ -94,9 +91,6 @@ def field_docs(cls: type) -> dict[str, str]:
             and isinstance(following.value.value, str)
         ):
             docs[statement.target.id] = " ".join(following.value.value.split())
-    fields = [field.name for field in dataclasses.fields(cls)]
-    if len(fields) == 1 and fields[0] not in docs and cls.__doc__:
-        docs[fields[0]] = " ".join(cls.__doc__.split())
     return docs
 
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -100,18 +101,35 @@ class GenerationResult:
     stop_reason: StopReason
 
 
+# The step shape a step-time model is given: (decode requests, their summed context, prefill tokens, prefill
+# query x key pairs), the arguments of ``verl_partial.sim.engine.ServerSpec.step_seconds``.
+StepTimeModel = Callable[[int, float, int, float], float]
+
+
 @dataclass
 class EngineStats:
     """Cumulative counters, e.g. for throughput and mean batch size (``decode_tokens / decode_steps``).
 
     ``generated_tokens`` counts tokens handed to requests; ``decode_tokens`` counts rows of decode forwards (it also
     includes rows whose request was aborted while the step ran). ``dataclasses.asdict`` gives a plain dict.
+
+    Time (seconds on the engine loop's clock): ``step_s`` inside steps, ``idle_s`` waiting with nothing to run
+    (or paused). ``decode_context_tokens`` sums the context every decode row attended to. With a step-time model
+    (``backend.emulate_gpu``): ``modelled_s`` is the modelled time of the steps, ``compute_s`` the real compute
+    inside them, ``overruns`` the steps whose compute took longer than modelled (they last their compute time).
     """
 
     generated_tokens: int = 0
     decode_steps: int = 0
     decode_tokens: int = 0
     prefill_tokens: int = 0
+    steps: int = 0
+    step_s: float = 0.0
+    idle_s: float = 0.0
+    decode_context_tokens: int = 0
+    modelled_s: float = 0.0
+    compute_s: float = 0.0
+    overruns: int = 0
 
 
 @dataclass(eq=False)
@@ -151,6 +169,16 @@ class _StepPlan:
     samplers: list[tuple[SamplingParams, torch.Generator | None]]
     max_len: int
 
+    @property
+    def decode_context(self) -> int:
+        """Tokens the decode rows attend to: each row's cache plus the token it feeds."""
+        return sum(self.decode_positions) + len(self.decode_positions)
+
+    def shape(self) -> tuple[int, float, int, float]:
+        """Arguments of a :data:`StepTimeModel`; a prompt of c tokens prefills c x c/2 query-key pairs."""
+        lengths = [len(p) for p in self.prefill_prompts]
+        return len(self.decode_tokens), float(self.decode_context), sum(lengths), sum(c * c / 2 for c in lengths)
+
 
 class CpuBatchedEngine:
     """Asyncio front end + single worker thread running :class:`SlotKVModel` with continuous batching.
@@ -171,6 +199,7 @@ class CpuBatchedEngine:
         seed: int | None = None,
         semantics: Semantics = "vllm",
         virtual_step_s: float | None = None,
+        step_time: StepTimeModel | None = None,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
     ) -> None:
@@ -190,12 +219,18 @@ class CpuBatchedEngine:
                 loop's clock. On a :class:`~verl_partial.sim.clock.VirtualClockLoop` that makes the engine
                 deterministic in time (tests of aborts, gates and timeouts need no wall-clock sleeps). ``None``:
                 the model runs in the worker thread and steps take what they take.
+            step_time: a GPU-shaped engine (``backend.emulate_gpu``): the model runs in the worker thread, then the
+                engine sleeps the rest of ``step_time(*shape)`` seconds (typically
+                ``verl_partial.sim.engine.ServerSpec.step_seconds``), cores idle; a step whose compute exceeds it
+                is counted in ``stats.overruns``. Not with ``virtual_step_s``.
             device: where the model, its KV cache and the sampling run (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...).
                 The model is moved there in place (``nn.Module.to``), so the caller's module is the engine's; one
                 engine serves both, the GPU only making each step faster (benchmarks/gpu_engine_curve.py).
             dtype: cast the model's floating-point weights to this dtype (e.g. ``torch.bfloat16`` on a GPU);
                 ``None`` keeps the model's own. The KV cache takes the model's dtype.
         """
+        if virtual_step_s is not None and step_time is not None:
+            raise ValueError("virtual_step_s and step_time both set the step time; give one")
         if logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
             raise ValueError(f"unsupported logprobs_mode {logprobs_mode!r}")
         if semantics not in SEMANTICS:
@@ -205,6 +240,7 @@ class CpuBatchedEngine:
         # Real time: the least a step lasts (fault injection's ``step_s``), so a test can make an answer outlast a
         # timeout on purpose, on any machine. 0: steps take what they take.
         self.min_step_s = 0.0
+        self.step_time = step_time
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.max_num_seqs = max_num_seqs
@@ -419,28 +455,50 @@ class CpuBatchedEngine:
                 scheduled = self._schedule()
                 if scheduled is None:
                     self._wakeup.clear()
+                    began = loop.time()
                     await self._wakeup.wait()
+                    self._stats.idle_s += loop.time() - began
                     continue
                 plan, rows = scheduled
+                began = loop.time()
                 try:
-                    if self.virtual_step_s is None:
+                    if self.virtual_step_s is not None:
+                        tokens, log_probs = self._execute(plan)
+                        await asyncio.sleep(self.virtual_step_s)
+                    elif self.step_time is not None:
+                        tokens, log_probs = await self._emulated_step(loop, plan)
+                    else:
                         started = loop.time()
                         tokens, log_probs = await loop.run_in_executor(self._executor, self._execute, plan)
                         if self.min_step_s:
                             await asyncio.sleep(self.min_step_s - (loop.time() - started))
-                    else:
-                        tokens, log_probs = self._execute(plan)
-                        await asyncio.sleep(self.virtual_step_s)
                 except Exception as exc:  # a failed step fails its requests, not the engine
                     for request in rows:
                         self._finish(request, exc)
                     continue
+                finally:
+                    self._stats.steps += 1
+                    self._stats.step_s += loop.time() - began
                 self._apply(plan, rows, tokens, log_probs)
         finally:
             # The loop is going away (close() or the event loop shutting down): nothing can be resumed later.
             for request in list(self._requests.values()):
                 self._finish(request, "aborted")
             self._slots.clear()
+
+    async def _emulated_step(self, loop: asyncio.AbstractEventLoop, plan: _StepPlan) -> tuple[list[int], list[float]]:
+        """The real forward in the worker thread, then idle until the modelled step time has passed."""
+        modelled = self.step_time(*plan.shape())
+        began = time.perf_counter()
+        result = await loop.run_in_executor(self._executor, self._execute, plan)
+        compute = time.perf_counter() - began
+        self._stats.modelled_s += modelled
+        self._stats.compute_s += compute
+        if compute > modelled:
+            self._stats.overruns += 1
+        else:
+            await asyncio.sleep(modelled - compute)
+        return result
 
     def _schedule(self) -> tuple[_StepPlan, list[EngineRequest]] | None:
         if self._paused:
@@ -507,6 +565,7 @@ class CpuBatchedEngine:
     def _apply(self, plan: _StepPlan, rows: list[EngineRequest], tokens: list[int], log_probs: list[float]) -> None:
         self._stats.decode_steps += bool(plan.decode_tokens)
         self._stats.decode_tokens += len(plan.decode_tokens)
+        self._stats.decode_context_tokens += plan.decode_context
         self._stats.prefill_tokens += sum(len(p) for p in plan.prefill_prompts)
         for request, token, log_prob in zip(rows, tokens, log_probs, strict=True):
             if request.done:  # aborted while the step ran: its result was already returned

@@ -32,6 +32,7 @@ from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 from verl.workers.rollout.utils import get_max_position_embeddings
 
+from verl_partial.config.backend import EMULATE_GPU_ENV, EmulatedGpu
 from verl_partial.cpu_backend.engine import CpuBatchedEngine, EngineRequest, GenerationResult, SamplingParams, Semantics
 from verl_partial.glue.engines.sglang import apply_sglang_server_fix
 
@@ -103,7 +104,9 @@ class _CpuServerBase:
     ``max_model_len`` follows verl's servers: ``rollout.max_model_len`` when set (and not above the model's
     ``max_position_embeddings``), else ``max_position_embeddings`` (``vLLMHttpServer._validate_configs``,
     ``SGLangHttpServer.__init__``). A CPU engine holding a tiny model has no memory to release or profile.
-    ``virtual_step_s`` is the engine's (tests on a virtual clock); Ray launches servers without it.
+    ``virtual_step_s`` is the engine's (tests on a virtual clock); Ray launches servers without it. A server
+    started with ``VERL_PARTIAL_EMULATE_GPU`` (``backend.emulate_gpu``, exported by the driver) runs a GPU-shaped
+    engine: each step lasts what the simulator's roofline gives that GPU and model for the step's batch.
     """
 
     # Whose engine semantics the server reproduces (set by each server class).
@@ -129,6 +132,8 @@ class _CpuServerBase:
         )
         model.eval()
         self.max_model_len = resolve_max_model_len(self.config.max_model_len, model.config)
+        self.emulate_gpu = EmulatedGpu.parse(os.environ.get(EMULATE_GPU_ENV))
+        gpu_server = None if self.emulate_gpu is None else self.emulate_gpu.server_spec(self.config.max_num_seqs)
         self.engine = CpuBatchedEngine(
             model,
             eos_token_ids=self._eos_token_ids(model),
@@ -137,6 +142,7 @@ class _CpuServerBase:
             logprobs_mode=self.config.logprobs_mode,
             semantics=semantics,
             virtual_step_s=virtual_step_s,
+            step_time=None if gpu_server is None else gpu_server.step_seconds,
         )
 
     def _eos_token_ids(self, model) -> set[int]:
@@ -200,7 +206,14 @@ class _CpuServerBase:
         raise NotImplementedError
 
     def engine_stats(self) -> dict[str, Any]:
-        return dataclasses.asdict(self.engine.stats)
+        """The engine's cumulative counters (``EngineStats``) with ``max_num_seqs`` and the ``emulate_gpu`` setting
+        (``"<GPU>/<model>"`` or None): what :func:`~verl_partial.cpu_backend.occupancy.slot_occupancy` reads.
+        One cheap Ray call in any trainer mode (the counters are always kept)."""
+        return {
+            **dataclasses.asdict(self.engine.stats),
+            "max_num_seqs": self.engine.max_num_seqs,
+            "emulate_gpu": None if self.emulate_gpu is None else self.emulate_gpu.name,
+        }
 
 
 def resolve_max_model_len(configured: int | None, hf_config: Any) -> int:

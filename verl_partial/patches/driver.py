@@ -4,9 +4,10 @@ the CPU platform and the Ray processes' environment set from it."""
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any
 
-from verl_partial.config.backend import BACKEND_NAMES
+from verl_partial.config.backend import BACKEND_NAMES, EMULATE_GPU_ENV
 from verl_partial.patches.correction import ALL_REJECTED_GUARD_ENV
 from verl_partial.patches.cpu import CPU_PLATFORM_ENV, CPU_ROLLOUT_NAME, _select_cpu_platform_in_driver
 
@@ -38,6 +39,8 @@ def _wrap_driver_entry() -> None:
             # +backend=cpu_vllm_v1 (verl's v1 trainer) carries no backend block, only VERL_PLATFORM=cpu for its
             # Ray processes: the driver follows them, else verl's auto_set_device sets trainer.device=cuda.
             _select_cpu_platform_in_driver()
+            _export_cpu_threads(config)
+            _export_emulated_gpu(config)
         return original(config)
 
     auto_set_device._verl_partial = True  # type: ignore[attr-defined]
@@ -53,6 +56,36 @@ def _export_to_ray_processes(config: Any, name: str, value: str) -> None:
         runtime_env = ray_init.setdefault("runtime_env", {})
         env_vars = runtime_env.get("env_vars") or {}
         runtime_env["env_vars"] = {**env_vars, name: value}
+
+
+def cpu_threads() -> int:
+    """The cores this process may run on (its affinity mask, as a container or ``taskset`` limits it)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _export_cpu_threads(config: Any) -> None:
+    """Every Ray process of a CPU back-end gets ``OMP_NUM_THREADS`` = the machine's cores, unless the run set it.
+
+    Ray sets ``OMP_NUM_THREADS=1`` in a worker created without ``num_cpus`` when the variable is unset (its
+    ``set_omp_num_threads_if_unset``), and verl creates its FSDP workers that way: without this, verl's trainer
+    trains on one core of however many the machine has, and a benchmark whose Ray set-up hook imported torch first
+    trains on all of them. Exported here, every mode and every benchmark gets the same threads. Our CPU engine
+    sets its own (``VERL_PARTIAL_CPU_THREADS``, default 1, in ``cpu_backend/rollout.py``); vLLM's CPU engine
+    inherits this value from its server actor.
+    """
+    from omegaconf import OmegaConf
+
+    if OmegaConf.select(config, "ray_kwargs.ray_init.runtime_env.env_vars.OMP_NUM_THREADS", default=None) is None:
+        _export_to_ray_processes(config, "OMP_NUM_THREADS", str(cpu_threads()))
+
+
+def _export_emulated_gpu(config: Any) -> None:
+    """``backend.emulate_gpu`` reaches the rollout servers (launched by verl through Ray) as an env var."""
+    from verl_partial.config.job import backend_config
+
+    backend = backend_config(config) if config.get("backend") is not None else None
+    if backend is not None and backend.emulate_gpu is not None:
+        _export_to_ray_processes(config, EMULATE_GPU_ENV, backend.emulate_gpu)
 
 
 def _ray_processes_platform(config: Any) -> str:

@@ -39,6 +39,7 @@ from verl_partial.core.partial.on_policy import length_estimator
 from verl_partial.core.partial.pool import GroupState, RolloutPool, SampleState
 from verl_partial.core.partial.scheduler import StepResult, run_step
 from verl_partial.core.partial.turn_metrics import parked_turn_metrics, trained_turn_metrics
+from verl_partial.cpu_backend.occupancy import phase_slots
 from verl_partial.glue.partial.agent_loop import FinishedSample, PartialAgentLoopWorker
 from verl_partial.glue.partial.segment_backend import WORKER_MAX_CONCURRENCY, WorkerSegmentBackend
 from verl_partial.patches import guard
@@ -248,6 +249,13 @@ def _chunk_bounds(keys: np.ndarray, chunks: int) -> list[tuple[int, int]]:
     return [(starts[part[0]], ends[part[-1]]) for part in groups if len(part)]
 
 
+def engine_counters(server_handles: list[Any]) -> list[dict[str, Any]] | None:
+    """Every server's engine counters (one Ray call each), or None where the servers keep none (vLLM, SGLang)."""
+    if not server_handles or not all(hasattr(handle, "engine_stats") for handle in server_handles):
+        return None
+    return ray.get([handle.engine_stats.remote() for handle in server_handles])
+
+
 # ---------------------------------------------------------------------------------------------- loader
 class PartialRolloutLoader:
     """Stands in for ``trainer.train_dataloader``: each item is a step's finished groups, generated here."""
@@ -309,6 +317,7 @@ class PartialRolloutLoader:
         backend.begin_step(self.pool)
         if self.batcher is not None:
             self.batcher.begin_step(step)
+        counters_before = engine_counters(trainer.llm_server_manager.server_handles)
         # Generation for step t runs on the weights synced after step t-1 (verl: update_weights(global_steps)).
         result = asyncio.run(
             run_step(
@@ -318,6 +327,13 @@ class PartialRolloutLoader:
         if self.length_estimator is not None:
             self.length_estimator.record(result.trained)
         extra: dict[str, float] = {}
+        if counters_before is not None:
+            slots = phase_slots(
+                counters_before, engine_counters(trainer.llm_server_manager.server_handles), result.seconds
+            )
+            extra.update(
+                slots.metrics(result.metrics["partial/tokens_trained"], result.metrics["partial/tokens_discarded"])
+            )
         if self.batcher is not None:
             extra["partial/window_delay_steps/max"] = float(max(self.batcher.delays, default=0))
         if step >= trainer.total_training_steps:
