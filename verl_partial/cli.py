@@ -147,8 +147,22 @@ def _demo(args: argparse.Namespace) -> int:
         print("\n".join(["", f"verl exited with {process.returncode}; last lines of {log_path}:", *tail]), flush=True)
         return process.returncode
     summary = Summary.from_steps(read_steps(run_metric_files(run_dir)))
-    print("\n" + summary.render(run_dir=run_dir, log_path=log_path, checkpoint=_latest_checkpoint(checkpoints)))
+    print(
+        "\n"
+        + summary.render(
+            run_dir=run_dir, log_path=log_path, checkpoint=_latest_checkpoint(checkpoints), twin=_twin_command(args)
+        )
+    )
     return 0
+
+
+def _twin_command(args: argparse.Namespace) -> str:
+    """The demo run to compare with: the same steps and overrides, partial rollout switched the other way."""
+    switch = "--partial default" if args.no_partial else "--no-partial"
+    what = "with partial rollout" if args.no_partial else "with verl's synchronous rollout"
+    extra = " ".join(shlex.quote(item) for item in args.overrides)
+    command = f"verl-partial demo {switch} --steps {args.steps}" + (f" {extra}" if extra else "")
+    return f"{command}   (the same run {what})"
 
 
 def _report_progress(metrics_path: Path, reported: set[int], total: int) -> None:
