@@ -147,8 +147,22 @@ def _demo(args: argparse.Namespace) -> int:
         print("\n".join(["", f"verl exited with {process.returncode}; last lines of {log_path}:", *tail]), flush=True)
         return process.returncode
     summary = Summary.from_steps(read_steps(run_metric_files(run_dir)))
-    print("\n" + summary.render(run_dir=run_dir, log_path=log_path, checkpoint=_latest_checkpoint(checkpoints)))
+    print(
+        "\n"
+        + summary.render(
+            run_dir=run_dir, log_path=log_path, checkpoint=_latest_checkpoint(checkpoints), twin=_twin_command(args)
+        )
+    )
     return 0
+
+
+def _twin_command(args: argparse.Namespace) -> str:
+    """The demo run to compare with: the same steps and overrides, partial rollout switched the other way."""
+    switch = "--partial default" if args.no_partial else "--no-partial"
+    what = "with partial rollout" if args.no_partial else "with verl's synchronous rollout"
+    extra = " ".join(shlex.quote(item) for item in args.overrides)
+    command = f"verl-partial demo {switch} --steps {args.steps}" + (f" {extra}" if extra else "")
+    return f"{command}   (the same run {what})"
 
 
 def _report_progress(metrics_path: Path, reported: set[int], total: int) -> None:
@@ -165,10 +179,84 @@ def _report_progress(metrics_path: Path, reported: set[int], total: int) -> None
         )
 
 
+def _check(overrides: Sequence[str]) -> int:
+    """``verl-partial check``: compose as ``main_ppo`` does, then run the driver's own validation of our blocks.
+
+    ``--cfg job --resolve`` only composes; the values are checked when the job starts, after its set-up. This runs
+    the very checks the driver runs (:func:`verl_partial.config.job.validate_root_config`), so a command line that
+    passes here passes them at start-up.
+    """
+    import verl  # loads verl's plugins, ours among them: our Hydra groups and resolvers are registered
+    from hydra import compose, initialize_config_dir
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.errors import HydraException
+    from omegaconf import OmegaConf, open_dict
+    from omegaconf.errors import OmegaConfBaseException
+
+    from verl_partial.config.job import validate_root_config
+
+    verl_config_dir = Path(verl.__file__).parent / "trainer" / "config"
+    try:
+        with initialize_config_dir(config_dir=str(verl_config_dir), version_base=None):
+            config = compose(config_name="ppo_trainer", overrides=list(overrides), return_hydra_config=True)
+    except HydraException as error:
+        print(f"verl-partial check: the overrides do not compose with verl's ppo_trainer:\n{error}", file=sys.stderr)
+        return 2
+    # Our rollout-correction check compares the block with the preset Hydra selected, as under @hydra.main.
+    HydraConfig.instance().set_config(config)
+    try:
+        with open_dict(config):
+            del config["hydra"]
+        validate_root_config(config)
+        OmegaConf.to_container(config, resolve=True)  # what the TaskRunner does first: every interpolation resolves
+    except (ValueError, OmegaConfBaseException) as error:
+        print(f"verl-partial check: invalid config:\n{error}", file=sys.stderr)
+        return 1
+    finally:
+        HydraConfig.instance().cfg = None  # type: ignore[assignment]
+    blocks = [block for block in ("partial", "rollout_correction", "balance", "backend") if config.get(block)]
+    checked = ", ".join(blocks) if blocks else "none of verl-partial's blocks selected"
+    print(
+        f"verl-partial check: ok ({checked}). verl's own checks that need the workers (GPU counts, batch sizes per "
+        "GPU) run when the job starts."
+    )
+    return 0
+
+
+DESCRIPTION = """\
+Partial rollout, rollout-correction presets and group-preserving balancing for verl's GRPO/PPO trainer.
+
+You use them as Hydra overrides of verl's own trainer, e.g.
+  python -m verl.trainer.main_ppo +partial=default +rollout_correction=seq_is_rs +balance=group ...
+These commands help before and around such a run."""
+
+EPILOG = """\
+examples:
+  verl-partial demo                      a 4-step GRPO run on this CPU, partial rollout on (minutes)
+  verl-partial demo --no-partial         the same run with verl's plain synchronous rollout, to compare
+  verl-partial check +partial=default partial.max_staleness=2 ...
+                                         validate your overrides without starting a job
+  verl-partial simulate --model Qwen2.5-7B --gpus 8
+                                         project the presets onto your GPUs and response lengths"""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="verl-partial", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="run verl's GRPO trainer on the CPU backend with partial rollout")
+    from verl_partial.config.partial import PRESETS
+
+    parser = argparse.ArgumentParser(
+        prog="verl-partial",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,check,simulate}")
+    demo = commands.add_parser(
+        "demo",
+        help="run verl's GRPO trainer on this CPU with partial rollout, and summarise it",
+        description="Train a tiny model on a countdown task with verl's own GRPO trainer on this CPU (no GPU, no "
+        "download), partial rollout on, then print one line per step and a summary. Run it again with "
+        "--no-partial to see the same run with verl's synchronous rollout.",
+    )
     demo.add_argument("--steps", type=int, default=4, help="GRPO steps in all (default 4)")
     demo.add_argument("--cache-dir", default=str(DEFAULT_CACHE), help="where the model/tokenizer/data are built")
     demo.add_argument(
@@ -179,17 +267,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument(
         "--resume", action="store_true", help="continue --output (default: the latest run) from its checkpoint"
     )
-    demo.add_argument("--partial", default="default", help="partial-rollout preset (hydra_configs/partial/)")
-    demo.add_argument("--no-partial", action="store_true", help="plain synchronous verl rollout")
+    partial = demo.add_mutually_exclusive_group()
+    partial.add_argument(
+        "--partial", default="default", choices=sorted(PRESETS), help="partial-rollout preset (default: default)"
+    )
+    partial.add_argument("--no-partial", action="store_true", help="verl's plain synchronous rollout, to compare")
     demo.add_argument("overrides", nargs="*", help="extra Hydra overrides, e.g. +rollout_correction=seq_is_rs")
+    check = commands.add_parser(
+        "check",
+        help="validate a trainer command line's overrides without starting a job",
+        description="Compose verl's trainer config (ppo_trainer) with your overrides as `python -m "
+        "verl.trainer.main_ppo` does, and validate verl-partial's blocks (partial, rollout_correction, balance, "
+        "backend) and the trainer keys they depend on, as the job would at start-up. Exits 1 naming the key on "
+        "bad input, 2 when the overrides do not compose. No Ray, no GPU, no model download. verl's own checks "
+        "that need the workers (GPU counts, batch sizes per GPU) still run when the job starts.",
+    )
+    check.add_argument("overrides", nargs="*", help="the Hydra overrides of your main_ppo command line")
     add_simulate_arguments(
         commands.add_parser(
-            "simulate", help="project partial rollout onto your GPUs and workload (docs/gpu-projection.md)"
+            "simulate",
+            help="project partial rollout onto your GPUs, model and response lengths (simulated, seconds of CPU)",
         )
     )
     args = parser.parse_args(argv)
     if args.command == "demo":
         return _demo(args)
+    if args.command == "check":
+        return _check(args.overrides)
     if args.command == "simulate":
         simulate(args)
         return 0

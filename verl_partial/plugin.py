@@ -23,12 +23,18 @@ def register_with_hydra() -> None:
     any directory under any install.
     """
     from hydra.core.plugins import Plugins
+    from hydra.plugins.search_path_plugin import SearchPathPlugin
 
     from hydra_plugins.verl_partial_searchpath.searchpath import VerlPartialSearchPathPlugin
     from verl_partial import hydra_resolvers
 
     hydra_resolvers.register()
-    Plugins.instance().register(VerlPartialSearchPathPlugin)
+    # Hydra's scan (run by the first Plugins.instance()) re-executes the plugin module, so when it found the plugin
+    # its class is another object than ours: registering ours too would list our search path twice in every error.
+    plugins = Plugins.instance()
+    name = f"{VerlPartialSearchPathPlugin.__module__}.{VerlPartialSearchPathPlugin.__qualname__}"
+    if not any(f"{found.__module__}.{found.__qualname__}" == name for found in plugins.discover(SearchPathPlugin)):
+        plugins.register(VerlPartialSearchPathPlugin)
 
 
 try:

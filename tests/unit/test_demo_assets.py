@@ -13,8 +13,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
-from verl_partial.demo import DemoAssets, build_assets, compute_score, hydra_overrides
-from verl_partial.demo.task import answer_text, prompt_text
+from verl_partial.demo.assets import DemoAssets, build_assets, hydra_overrides
+from verl_partial.demo.task import answer_text, compute_score, prompt_text
 
 # Enough pretraining for EOS-terminated samples, little enough to build in about a second.
 TEST_TRAIN_STEPS = 60

@@ -79,3 +79,15 @@ def test_summary_without_partial_rollout_omits_its_columns(tmp_path: Path) -> No
     summary = Summary.from_steps(read_steps(run_metric_files(tmp_path)))
     text = summary.render(run_dir=tmp_path, log_path=tmp_path / "verl.log", checkpoint=tmp_path / "ck")
     assert not summary.partial and "partial rollout" not in text and "validation: none logged" in text
+
+
+def test_summary_suggests_the_twin_run_and_says_what_its_numbers_mean(tmp_path: Path) -> None:
+    _write(metrics_file(tmp_path), [(1, {"timing_s/step": 5.0, "timing_s/gen": 2.0, "partial/tokens_generated": 9.0})])
+    args = argparse.Namespace(no_partial=False, steps=4, overrides=["+rollout_correction=seq_is_rs"])
+    text = Summary.from_steps(read_steps(run_metric_files(tmp_path))).render(
+        run_dir=tmp_path, log_path=tmp_path / "verl.log", checkpoint=None, twin=cli._twin_command(args)
+    )
+    assert "compare: verl-partial demo --no-partial --steps 4 +rollout_correction=seq_is_rs" in text
+    assert "what the numbers mean: " in text and "not GPU speed" in text and "staleness = policy versions" in text
+    back = cli._twin_command(argparse.Namespace(no_partial=True, steps=4, overrides=[]))
+    assert back.startswith("verl-partial demo --partial default --steps 4   (the same run with partial rollout)")

@@ -97,7 +97,8 @@ class Summary:
     def partial(self) -> bool:
         return any(line.tokens_generated is not None for line in self.steps)
 
-    def render(self, *, run_dir: Path, log_path: Path, checkpoint: Path | None) -> str:
+    def render(self, *, run_dir: Path, log_path: Path, checkpoint: Path | None, twin: str | None = None) -> str:
+        """``twin`` is the command of the same run with partial rollout switched the other way, to compare."""
         out = [f"verl-partial demo: {len(self.steps)} training step(s) in {run_dir}"]
         if self.steps:
             header = "  step   total s   generation s   training s"
@@ -133,6 +134,18 @@ class Summary:
             out.append("  validation: none logged")
         out.append(f"  checkpoint: {checkpoint if checkpoint is not None else 'none written'}")
         out.append(f"  logs: {log_path} (verl's output), metrics: {run_dir}/{METRICS_GLOB}")
+        out.append(
+            "  what the numbers mean: seconds of a tiny model on this CPU show that the run works, not GPU speed; "
+            "generation s is the rollout phase, the part +partial shortens"
+            + (
+                "; resumed = trained samples continued from an earlier step, staleness = policy versions their "
+                "oldest tokens lag, discarded = tokens generated and thrown away"
+                if self.partial
+                else ""
+            )
+        )
+        if twin is not None:
+            out.append(f"  compare: {twin}")
         return "\n".join(out)
 
 

@@ -1,0 +1,248 @@
+"""Writes docs/evidence.md, the one page of current figures, from the results files in benchmarks/results/.
+
+Why generated: a figure typed by hand into several pages drifts (one figure, several values). Here each figure is
+computed once from its results file, and its provenance (date, command, commit) is read from that file's own
+fields. A result whose file does not record its date and command is dropped, never annotated after the fact; a
+figure taken back is listed under "Withdrawn" with the reason. tests/bench/test_evidence.py fails when the page is
+stale, and when the README or a guide quotes a figure the page does not hold.
+
+    python -m benchmarks.evidence            # rewrite docs/evidence.md
+    python -m benchmarks.evidence --check    # exit 1 if docs/evidence.md is not what this script writes
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+PAGE = REPO / "docs" / "evidence.md"
+
+Label = Literal["measured", "emulated", "simulated"]
+
+
+@dataclass(frozen=True)
+class Provenance:
+    date: str
+    command: str
+    commit: str | None  # the checkout the run was made from, where the results file records it
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One figure: what it states, the file it is computed from, and how."""
+
+    id: str
+    claim: str
+    source: str  # a file under benchmarks/results/
+    label: Label
+    value: Callable[[Mapping[str, Any]], str]
+
+
+@dataclass(frozen=True)
+class Withdrawn:
+    figure: str
+    sources: tuple[str, ...]  # glob patterns under benchmarks/results/; no figure of the page may come from them
+    script: str
+    why: str
+
+
+def provenance(data: Mapping[str, Any]) -> Provenance | None:
+    """Date, command and commit as the results file records them, or None when it records no date or command.
+
+    Two layouts exist: the trainer benchmarks write ``command``, ``machine.date`` and (bench_peer) ``checkout``;
+    benchmarks/learning_curves.py writes ``config.command`` and ``config.date``.
+    """
+    config = data.get("config") if isinstance(data.get("config"), Mapping) else {}
+    machine = data.get("machine") if isinstance(data.get("machine"), Mapping) else {}
+    command = data.get("command") or config.get("command")
+    date = machine.get("date") or config.get("date")
+    if not command or not date:
+        return None
+    commit = data.get("checkout") or data.get("commit") or config.get("commit")
+    return Provenance(date=str(date)[:10], command=str(command), commit=str(commit) if commit else None)
+
+
+def _modes(data: Mapping[str, Any]) -> Mapping[str, Any]:
+    return data["summary"]["modes"]
+
+
+def _per_trained_token(data: Mapping[str, Any], mode: str, base: str = "sync") -> str:
+    """Whole-step seconds per mean trained token, ``base`` over ``mode``: above 1 means ``mode`` is faster."""
+    modes = _modes(data)
+
+    def cost(name: str) -> float:
+        return modes[name]["s_per_step"][0] / modes[name]["mean_trained_length"]
+
+    return f"{cost(base) / cost(mode):.2f}x"
+
+
+def _final_rewards(data: Mapping[str, Any], *names: str) -> str:
+    """Final training reward (mean over seeds, of the last steps' window) per mode."""
+    modes = _modes(data)
+    return ", ".join(f"{name} {modes[name]['final_reward'][0]:.3f}" for name in names)
+
+
+def _ks(data: Mapping[str, Any], mode: str) -> str:
+    """Kolmogorov-Smirnov distance of the trained lengths from sync's, as learning_curves.py computed it."""
+    return f"KS {_modes(data)[mode]['ks_vs_sync']:.3f}"
+
+
+# The registry: every figure of the page, once. Ids are the anchors the README and guides link to.
+FIGURES: tuple[Figure, ...] = (
+    Figure(
+        id="lc-default-per-trained-token",
+        claim="`default` (file mode `stream`) vs sync, demo task, verl's trainer on our CPU engine, 64 steps x 3 "
+        "seeds: whole step per trained token, sync over default",
+        source="learning_curves.json",
+        label="measured",
+        value=lambda data: _per_trained_token(data, "stream"),
+    ),
+    Figure(
+        id="lc-default-reward",
+        claim="`default` (file mode `stream`) vs sync, same runs: final training reward",
+        source="learning_curves.json",
+        label="measured",
+        value=lambda data: _final_rewards(data, "sync", "stream"),
+    ),
+    Figure(
+        id="lc-tail-reward",
+        claim="`tail` vs sync, demo task, 64 steps x 3 seeds: final training reward",
+        source="learning_curves_tail.json",
+        label="measured",
+        value=lambda data: _final_rewards(data, "sync", "tail"),
+    ),
+    Figure(
+        id="lc-tail-on-policy-reward",
+        claim="`tail_on_policy` vs sync, demo task, 64 steps x 3 seeds (separate run): final training reward",
+        source="learning_curves_tail_on_policy.json",
+        label="measured",
+        value=lambda data: _final_rewards(data, "sync", "tail_on_policy"),
+    ),
+    Figure(
+        id="frozen-length-bias-default",
+        claim="`default` (file mode `stream`) vs sync with the policy frozen (lr 0), 64 steps x 2 seeds: trained "
+        "lengths' Kolmogorov-Smirnov distance from sync's",
+        source="length_bias_frozen.json",
+        label="measured",
+        value=lambda data: _ks(data, "stream"),
+    ),
+    Figure(
+        id="frozen-length-bias-default-700",
+        claim="the same with the demo model pretrained 700 steps (longer answers)",
+        source="length_bias_frozen_700.json",
+        label="measured",
+        value=lambda data: _ks(data, "stream"),
+    ),
+)
+
+_UNEQUAL_HARNESS = (
+    "measured with the unequal harness: only some modes got the worker_process_setup_hook, so modes ran with "
+    "different torch thread counts (1 vs 2 threads on a 2-core machine); the speed-ups compare thread counts as "
+    "much as schedulers"
+)
+
+WITHDRAWN: tuple[Withdrawn, ...] = (
+    Withdrawn(
+        figure="`default` beside verl v1 colocate_async (peer benchmark): rollout phase per trained token 1.13x v0 "
+        "sync, 0.95x v1; `default_extra` 1.30x / 1.11x",
+        sources=("peer*.json",),
+        script="benchmarks/bench_peer.py",
+        why=_UNEQUAL_HARNESS,
+    ),
+    Withdrawn(
+        figure="`default` vs sync through verl's trainer on vLLM's CPU build: rollout phase 1.09-1.38x per trained "
+        "token, and every other whole-step or rollout speed-up of these runs",
+        sources=("vllm_trainer*.json",),
+        script="benchmarks/bench_vllm_trainer.py",
+        why=_UNEQUAL_HARNESS,
+    ),
+)
+
+
+def _load(name: str) -> Mapping[str, Any]:
+    return json.loads((RESULTS / name).read_text())
+
+
+def current_figures() -> tuple[list[tuple[Figure, str, Provenance]], list[Figure]]:
+    """The figures of the page with their values and provenance, and those dropped for lack of provenance."""
+    rows, dropped = [], []
+    for figure in FIGURES:
+        data = _load(figure.source)
+        origin = provenance(data)
+        if origin is None:
+            dropped.append(figure)
+            continue
+        rows.append((figure, figure.value(data), origin))
+    return rows, dropped
+
+
+def render() -> str:
+    """The page, from the results files as they are now."""
+    rows, dropped = current_figures()
+    without = sorted(
+        path.name
+        for path in RESULTS.glob("*.json")
+        if provenance(json.loads(path.read_text())) is None and path.name not in {f.source for f in dropped}
+    )
+    out = [
+        "# Evidence",
+        "",
+        "Current figures, each once, computed from `benchmarks/results/` by `python -m benchmarks.evidence`, which",
+        "writes this page (do not edit it by hand). Date, command and commit come from the results file itself;",
+        '"not recorded" means the file does not say which commit ran. Link to a figure as `evidence.md#<id>`.',
+        "",
+        "## Figures",
+        "",
+    ]
+    for figure, value, origin in rows:
+        out += [
+            f"### {figure.id}",
+            "",
+            f"**{value}** ({figure.label}, {origin.date}): {figure.claim}.",
+            "",
+            f"- source: `benchmarks/results/{figure.source}`, commit: {origin.commit or 'not recorded'}",
+            f"- command: `{origin.command}`",
+            "",
+        ]
+    out += ["## Withdrawn", "", "| figure | results | why |", "| --- | --- | --- |"]
+    out += [
+        f"| {item.figure} | {', '.join(f'`{pattern}`' for pattern in item.sources)} ({item.script}) | {item.why} |"
+        for item in WITHDRAWN
+    ]
+    out += [
+        "",
+        "## Results without provenance",
+        "",
+        "These files record no date or no command, so no figure is taken from them: "
+        + ", ".join(f"`{name}`" for name in without)
+        + ".",
+    ]
+    if dropped:
+        out += ["", "Figures dropped for the same reason: " + ", ".join(f"`{f.id}`" for f in dropped) + "."]
+    return "\n".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="exit 1 if docs/evidence.md is stale")
+    args = parser.parse_args(argv)
+    page = render()
+    if args.check:
+        if not PAGE.exists() or PAGE.read_text() != page:
+            print(f"{PAGE} is stale: run python -m benchmarks.evidence", file=sys.stderr)
+            return 1
+        return 0
+    PAGE.write_text(page)
+    print(f"wrote {PAGE}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
