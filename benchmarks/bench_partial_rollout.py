@@ -210,7 +210,7 @@ class EngineSegmentBackend:
         result = await self.engine.generate(request.request_id, group.prompt.ids + prefix, params)
         # verl's vLLM server reports EOS and max_tokens both as "completed".
         stop_reason = "aborted" if result.stop_reason == "aborted" else "completed"
-        finish = self.to_finish(stop_reason, result.token_ids, max_tokens, frozenset())
+        finish = self.to_finish(stop_reason, result.token_ids, max_tokens, frozenset()).finish  # no EOS: nothing to cut
         total = len(prefix) + len(result.token_ids)
         if finish is Finish.LENGTH and total == target < self.workload.response_length:
             finish = Finish.EOS

@@ -153,12 +153,24 @@ class Recorder:
 
 
 def git_commit() -> str | None:
-    """The checkout's commit, or None where the copy has no .git (a device machine gets the tree only)."""
+    """The checkout's commit, suffixed ``-dirty`` when the tree differs from it, or None where the copy has no .git.
+
+    A device machine may get the working tree over another commit's .git: ``--source-commit`` (what the launcher
+    sent) is then the commit to record, and this reading says whether the copy's own .git describes the tree."""
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
-    return (out.stdout.strip() or None) if out.returncode == 0 else None
+    if head.returncode != 0 or not head.stdout.strip():
+        return None
+    return head.stdout.strip() + ("-dirty" if status.returncode != 0 or status.stdout.strip() else "")
 
 
 def device_name(device: torch.device) -> str:
@@ -560,6 +572,7 @@ def main(argv: Sequence[str] | None = None) -> Path:
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default=None, help="default: bf16 on cuda")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")) / "gpu_engine_curve.jsonl")
     parser.add_argument("--budget-s", type=float, default=None, help="stop starting measurements after this long")
+    parser.add_argument("--source-commit", help="the commit of the tree the launcher sent (recorded as the commit)")
     parser.add_argument("--smoke", action="store_true", help="tiny model and plan (a CPU check of every path)")
     parser.add_argument("--skip-rollout", action="store_true", help="the curve only")
     parser.add_argument("--in-flight", type=int, nargs="+", help="requests per rollout step (default 128 256)")
@@ -590,7 +603,9 @@ def main(argv: Sequence[str] | None = None) -> Path:
         "label": LABEL,
         "run_id": f"{now:%Y%m%dT%H%M%SZ}-{os.getpid()}",
         "date": now.isoformat(timespec="seconds"),
-        "commit": git_commit(),
+        "commit": args.source_commit or git_commit(),
+        "checkout_git": git_commit(),
+        "command": " ".join(["python -m benchmarks.gpu_engine_curve", *(sys.argv[1:] if argv is None else argv)]),
         "device_name": name,
         "torch": torch.__version__,
         "dtype": str(dtype).removeprefix("torch."),
