@@ -94,8 +94,53 @@ def _ks(data: Mapping[str, Any], mode: str) -> str:
     return f"KS {_modes(data)[mode]['ks_vs_sync']:.3f}"
 
 
+def _gpu_modes(data: Mapping[str, Any]) -> str:
+    """Rollout phase per trained token against sync, per mode, from gpu_engine_curve.py's summary lines."""
+    modes = [line for line in data["lines"] if line["kind"] == "rollout_mode" and line["mode"] != "sync"]
+    return ", ".join(f"{line['mode']} {line['vs_sync_per_trained_token']:.2f}x" for line in modes)
+
+
+def _gpu_occupancy(data: Mapping[str, Any]) -> str:
+    modes = [line for line in data["lines"] if line["kind"] == "rollout_mode"]
+    return ", ".join(f"{line['mode']} {line['slot_occupancy']:.2f}" for line in modes)
+
+
+def _gpu_step_curve(data: Mapping[str, Any]) -> str:
+    """Decode step time over 1-256 running requests at context 512, and its distance from the roofline at 256."""
+    steps = [line for line in data["lines"] if line["kind"] == "decode_step" and line["context"] == 512]
+    times = [line["step_ms"] for line in steps]
+    widest = max(steps, key=lambda line: line["running"])
+    return (
+        f"{min(times):.1f}-{max(times):.1f} ms from 1 to {widest['running']} requests; "
+        f"{widest['measured_over_roofline']:.0f}x the roofline at {widest['running']}"
+    )
+
+
 # The registry: every figure of the page, once. Ids are the anchors the README and guides link to.
 FIGURES: tuple[Figure, ...] = (
+    Figure(
+        id="gpu-h200-engine",
+        claim="our PyTorch engine (not vLLM) on one H200, random 1.1B Llama in bf16, 256 requests in flight, 8 steps, "
+        "imposed long-tail answers (median 64, p99/p50 8, cap 512): rollout phase per trained token against sync",
+        source="gpu_engine_curve_h200.jsonl",
+        label="measured",
+        value=_gpu_modes,
+    ),
+    Figure(
+        id="gpu-h200-occupancy",
+        claim="the same runs: slot occupancy (trained tokens over the slots x full-batch steps the phase could hold)",
+        source="gpu_engine_curve_h200.jsonl",
+        label="measured",
+        value=_gpu_occupancy,
+    ),
+    Figure(
+        id="gpu-h200-step-curve",
+        claim="the same engine and model: decode step time by running requests at context 512 (eager PyTorch, "
+        "overhead-bound), against the roofline of the simulator's hardware model",
+        source="gpu_engine_curve_h200.jsonl",
+        label="measured",
+        value=_gpu_step_curve,
+    ),
     Figure(
         id="lc-default-per-trained-token",
         claim="`default` (file mode `stream`) vs sync, demo task, verl's trainer on our CPU engine, 64 steps x 3 "
@@ -167,7 +212,19 @@ WITHDRAWN: tuple[Withdrawn, ...] = (
 
 
 def _load(name: str) -> Mapping[str, Any]:
-    return json.loads((RESULTS / name).read_text())
+    """A results file; a JSON-lines file (written as it goes, e.g. gpu_engine_curve.py) is read as its ``run``
+    line's provenance plus every line under ``lines``."""
+    path = RESULTS / name
+    if path.suffix != ".jsonl":
+        return json.loads(path.read_text())
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    head = next((line for line in lines if line.get("kind") == "run"), {})
+    return {
+        "command": head.get("command"),
+        "machine": {"date": head.get("date")},
+        "commit": head.get("commit"),
+        "lines": lines,
+    }
 
 
 def current_figures() -> tuple[list[tuple[Figure, str, Provenance]], list[Figure]]:
