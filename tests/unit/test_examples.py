@@ -48,6 +48,8 @@ def test_example_composes_and_passes_our_checks(
     overrides = shipped_overrides(script, tmp_path)
     assert {"+partial=default", "+balance=group"} <= set(overrides)
     assert any(item.startswith("+rollout_correction=") for item in overrides)
+    engine = script.stem.removeprefix("grpo_") if script.stem != "grpo" else "vllm"  # grpo.sh defaults to vLLM
+    assert f"actor_rollout_ref.rollout.name={engine}" in overrides
     composed = subprocess.run(
         [sys.executable, "-m", "verl.trainer.main_ppo", *overrides, "--cfg", "job", "--resolve"],
         capture_output=True,
