@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_balance                          # markdown tables on stdout
     python -m benchmarks.bench_balance --compare-rev a36cd3d    # add a column for the balancer at that git rev
-    python -m benchmarks.bench_balance --out docs/balance.md    # also replace the block between the
+    python -m benchmarks.bench_balance --out REPORT.md    # also replace the block between the
                                                                 # <!-- bench:start/end --> markers
 
 m = mini-batch samples / dp ranks (rows each rank trains per optimizer step). Efficiency of a layout =

@@ -1,7 +1,7 @@
 """Rollout-phase time per step, synchronous vs partial rollout, on the real CPU engine, side by side.
 
     python -m benchmarks.bench_partial_rollout                     # markdown tables on stdout (~2 min)
-    python -m benchmarks.bench_partial_rollout --out docs/partial-rollout-benchmark.md \\
+    python -m benchmarks.bench_partial_rollout --out REPORT.md \\
         --plot docs/img/partial_rollout_benchmark.png              # also refresh the doc's results block + plot
     python -m benchmarks.bench_partial_rollout --quick             # tiny smoke configuration, a few seconds
 

@@ -1,7 +1,7 @@
 """Driver cost of one rollout step at job scale: verl's own rollout vs partial rollout, side by side, no model.
 
     python -m benchmarks.bench_partial_scale --prompts 128                  # verl's own + this checkout's partial path
-    python -m benchmarks.bench_partial_scale --prompts 64 128 --old-tree /tmp/old_checkout --out docs/driver-cost.md
+    python -m benchmarks.bench_partial_scale --prompts 64 128 --old-tree /tmp/old_checkout --out benchmarks/README.md
     python -m benchmarks.bench_partial_scale --quick                        # smoke configuration, ~1 min
 
 Why: partial rollout must not cost the driver more than verl's own rollout does at the same batch -- Ray calls,

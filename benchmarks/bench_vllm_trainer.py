@@ -1,7 +1,7 @@
 """Rollout phase per step through verl's real trainer: sync vs partial vs on-policy, on vLLM's CPU engine and ours.
 
     .nox/vllm/bin/python -m benchmarks.bench_vllm_trainer \\
-        --out docs/partial-rollout-benchmark.md --json benchmarks/results/vllm_trainer.json
+        --out REPORT.md --json benchmarks/results/vllm_trainer.json
     .nox/vllm/bin/python -m benchmarks.bench_vllm_trainer --from-json benchmarks/results/vllm_trainer.json
 
 Every run is ``python -m verl.trainer.main_ppo +backend=<engine> [+partial=<preset>]`` (built by

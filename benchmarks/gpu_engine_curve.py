@@ -4,7 +4,7 @@ sync vs ``default`` vs ``tail`` on the same engine. Measured, our PyTorch engine
     python -m benchmarks.gpu_engine_curve --device cuda --out "$OUT/gpu_engine_curve.jsonl"   # ~4-5 min (estimate)
     python -m benchmarks.gpu_engine_curve --smoke --out /tmp/gpu_engine_curve.jsonl           # CPU, tiny model
 
-Why: every GPU figure elsewhere in this project is emulated or simulated (docs/gpu-projection-model.md). This runs
+Why: every GPU figure elsewhere in this project is emulated or simulated (docs/method/gpu-simulator.md). This runs
 the very engine of ``verl_partial.cpu_backend`` (``CpuBatchedEngine(model, device="cuda")``, a bf16 model) on a
 real accelerator, so its step-time curve can be put beside the roofline the simulator is built from, and the
 scheduler's modes can be compared on a real step-time curve instead of a modelled one. The engine is eager PyTorch

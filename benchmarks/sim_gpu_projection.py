@@ -1,4 +1,4 @@
-"""GPU-regime projection and length-bias sweep with the simulator (method and results: docs/gpu-projection.md).
+"""GPU-regime projection and length-bias sweep with the simulator (method and results: docs/method/gpu-simulator.md).
 
 Projection: Qwen2.5-7B (TP1, 8 servers) and Qwen2.5-32B (TP2, 4 servers) on 8 x H100 SXM; 128 prompts x 16
 samples per step; prompt 256 tokens; response lengths lognormal with median 1,024 and p99/p50 of 8 or 20, capped

@@ -1,7 +1,7 @@
 """Length-aware batch composition (``+partial=tail``, ``+partial=tail_on_policy``) in the GPU-regime simulator.
 
     python -m benchmarks.sim_length_batching --json benchmarks/results/sim_length_batching.json \\
-        --out docs/length-aware-batching.md
+        --out REPORT.md
 
 The GPU projection's setups (benchmarks/sim_gpu_projection.py: Qwen2.5-7B on 8 x H100, 32B TP2 on 4; 128 prompts x
 16 samples; median 1,024 tokens, p99/p50 8 or 20, cap 32,768; a 512-prompt data set, so an epoch every 4 steps and a

@@ -1,4 +1,4 @@
-"""Markdown tables of docs/gpu-projection-tables.md from benchmarks/results/sim_projection.json (no simulation here).
+"""Markdown tables of docs/method/gpu-simulator.md from benchmarks/results/sim_projection.json (no simulation here).
 
 Results written before the modes took the preset names label ``restart`` as ``partial`` and ``default`` as
 ``stream``; they are read under today's names (``RENAMED_MODES``), so stored and fresh results give the same tables.

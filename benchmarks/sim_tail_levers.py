@@ -1,7 +1,7 @@
-"""Levers tried against the `default` preset's alternating phases in the GPU projection (docs/gpu-projection-tables.md).
+"""Levers tried against the `default` preset's alternating phases in the GPU projection (docs/method/gpu-simulator.md).
 
 At 7B / p99/p50 = 20 the `default` preset (`wait` + `refill`) stays well short of the bound for sync's batch
-composition at staleness 1 (figures: docs/gpu-projection-tables.md), and its rollout phases alternate between
+composition at staleness 1 (figures: docs/method/gpu-simulator.md), and its rollout phases alternate between
 short and long. The cause: a group admitted late in a phase must finish in the next one,
 so one long answer admitted late makes the next phase almost as long as sync's. Each variant below attacks
 that cause. Each runs the real scheduler in the simulator, beside `default` and sync on the same workload:

@@ -1,5 +1,5 @@
 """verl's own partial rollout (v1 colocate_async) beside ours in the GPU-regime simulator:
-docs/gpu-projection-v1.md.
+docs/method/gpu-simulator.md.
 
     python -m benchmarks.sim_v1_peer --json benchmarks/results/sim_v1_peer.json
     python -m benchmarks.sim_v1_peer --only validation   # against every stored peer round
@@ -60,7 +60,7 @@ WARMUP = {"sync": 2, "default": 2, "default_extra": 2, "v1_bound": 2, "v1_defaul
 
 # A vLLM-CPU server of benchmarks/bench_vllm_trainer.py's 24.4 M-parameter random Qwen2 (fp32): every engine step
 # costs 7.04 ms + 0.327 ms per token it decodes or prefills, the least-squares line through the MEDIAN engine step
-# inside verl's trainer by requests decoded (1-64: 7.7, 7.7, 8.3, 9.4, 12.0, 17.8, 27.9 ms; docs/vllm-cpu-bound.md,
+# inside verl's trainer by requests decoded (1-64: 7.7, 7.7, 8.3, 9.4, 12.0, 17.8, 27.9 ms; docs/evidence.md,
 # run 3, measured 2026-11-23), fixed before any peer run. The roofline is switched off to express it: no attention
 # FLOPs (heads 0), bandwidth so high that weights and KV reads cost nothing, compute giving 0.327 ms per token.
 CPU_FIXED_S = 7.04e-3

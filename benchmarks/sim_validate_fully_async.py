@@ -1,4 +1,4 @@
-"""Validate the GPU simulator against verl fully_async's published staleness ablation (docs/gpu-projection-model.md).
+"""Validate the GPU simulator against verl fully_async's published staleness ablation (docs/method/gpu-simulator.md).
 
 Published (verl docs/advance/fully_async.md, "128-card Stale Ablation Experiment"; script
 verl/experimental/fully_async_policy/shell/dapo_7b_math_fsdp2_64_64.sh): Qwen2.5-Math-7B, DAPO, H20, 64 rollout +

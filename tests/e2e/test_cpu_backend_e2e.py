@@ -57,7 +57,7 @@ def test_backend_cpu_sets_everything_the_cpu_run_needs():
     import yaml
 
     config = yaml.safe_load(_compose("+backend=cpu"))
-    assert config["backend"] == {"name": "cpu"}
+    assert config["backend"] == {"name": "cpu", "emulate_gpu": None}
     assert config["trainer"]["use_v1"] is False
     assert config["actor_rollout_ref"]["rollout"]["name"] == "cpu"
     assert config["actor_rollout_ref"]["actor"]["strategy"] == "fsdp2"
@@ -71,7 +71,7 @@ def test_backend_cpu_vllm_runs_verls_vllm_rollout_on_the_cpu_backend():
 
     cpu = yaml.safe_load(_compose("+backend=cpu"))
     config = yaml.safe_load(_compose("+backend=cpu_vllm"))
-    assert config["backend"] == {"name": "cpu_vllm"}
+    assert config["backend"] == {"name": "cpu_vllm", "emulate_gpu": None}  # inherited, refused if set
     rollout = config["actor_rollout_ref"]["rollout"]
     assert rollout["name"] == "vllm"
     # No sleep mode, no freed KV cache, no CUDA graphs: none exists on CPU.

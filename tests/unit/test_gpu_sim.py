@@ -1,4 +1,4 @@
-"""The GPU simulator's engine model against hand-computed figures (docs/gpu-projection.md); milliseconds each."""
+"""The GPU simulator's engine model against hand-computed figures (docs/method/gpu-simulator.md); milliseconds each."""
 
 from __future__ import annotations
 

@@ -200,6 +200,6 @@ PRESETS: dict[str, PartialConfig] = {
     ),
 }
 # Length-aware batch composition (tail batching) over windows of 4 steps, at either staleness bound: ``default``'s
-# (<= 1) and ``on_policy``'s (0). 4 steps: docs/length-aware-batching.md compares 2, 4 and 8.
+# (<= 1) and ``on_policy``'s (0). 4 steps: docs/method/gpu-simulator.md compares 2, 4 and 8.
 PRESETS["tail"] = dataclasses.replace(PRESETS["default"], length_window_steps=4)
 PRESETS["tail_on_policy"] = dataclasses.replace(PRESETS["on_policy"], length_window_steps=4)

@@ -164,7 +164,7 @@ def balance_batch_by_group(
         model_config: Needed only for ``cost="flops"``.
 
     Returns:
-        ``balance/*`` metrics (see docs/balance-algorithm.md), including ``balance/time_ms``.
+        ``balance/*`` metrics (see docs/method/balance.md), including ``balance/time_ms``.
 
     Raises:
         ValueError: missing group key (naming ``balance.group_key`` and the available keys), incompatible

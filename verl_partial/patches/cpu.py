@@ -34,7 +34,7 @@ def apply_cpu_process_fixes() -> None:
     """Fix the three places where verl 0.9 assumes an accelerator.
 
     Found by running verl 0.9.1's ``RayPPOTrainer`` on the CPU platform and described for users in
-    docs/cpu-backend.md ("Fixes for verl's accelerator assumptions"); each fix below names the verl code it
+    docs/engines.md ("Fixes for verl's accelerator assumptions"); each fix below names the verl code it
     works around.
     """
     import verl.utils.distributed as distributed

@@ -1,4 +1,4 @@
-"""How short can a rollout phase be at a given staleness bound, whatever the scheduler? (docs/gpu-projection-tables.md)
+"""How short can a rollout phase be at a given staleness bound, whatever the scheduler? (docs/method/gpu-simulator.md)
 
 A lower bound on the mean rollout phase of *any* schedule that keeps every trained token within ``max_staleness``
 (``s``) policy versions, for a colocated trainer (the engines generate only during rollout phases), from the

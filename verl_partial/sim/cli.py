@@ -7,7 +7,7 @@ the share of the reference rate (every server decoding at full concurrency at th
 limit), staleness, thrown-away tokens, the length bias of what is trained, and the bound: the highest speed-up any
 colocated schedule that trains those same batches could reach at that staleness (verl_partial/sim/bound.py;
 schedules that regroup samples into other batches are not covered). The model, its sources and its validation
-error are in docs/gpu-projection-model.md; the bound method in docs/gpu-projection-tables.md.
+error are in docs/method/gpu-simulator.md; the bound method in docs/method/gpu-simulator.md.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     }
     print(
         "bound: the highest speed-up over sync of any schedule that trains those same batches at that staleness "
-        "(regrouping samples into other batches is not covered; docs/gpu-projection-tables.md); "
+        "(regrouping samples into other batches is not covered; docs/method/gpu-simulator.md); "
         f"bound (sync's batch composition) at staleness <= 1: "
         f"{ceiling(runs['sync'], runs['sync'], workload, spec, servers, 1):.2f}x"
     )

@@ -1,4 +1,4 @@
-"""An engine model of one vLLM server on GPUs, run in virtual time (see docs/gpu-projection.md).
+"""An engine model of one vLLM server on GPUs, run in virtual time (see docs/method/gpu-simulator.md).
 
 What it models, and why each piece matters for partial rollout:
 
@@ -55,7 +55,7 @@ class ServerSpec:
     except ``gpu_memory_utilization``, 0.80 as in verl's DAPO/fully-async recipes (verl's own default is
     0.5). ``activation_reserve_bytes`` per GPU stands for vLLM's profiled activation peak and CUDA graphs.
     ``step_overhead_s``: fixed time added to every engine step (CPU scheduling, kernel launches, tensor-parallel
-    all-reduce latency). 0 in the model we validated and project with; a what-if knob (docs/gpu-projection.md).
+    all-reduce latency). 0 in the model we validated and project with; a what-if knob (docs/method/gpu-simulator.md).
     """
 
     gpu: GpuSpec

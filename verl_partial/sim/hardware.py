@@ -1,4 +1,4 @@
-"""Published hardware and model figures the GPU-regime simulator is built from (docs/gpu-projection-model.md).
+"""Published hardware and model figures the GPU-regime simulator is built from (docs/method/gpu-simulator.md).
 
 Nothing here is fitted to a result: every number is a data-sheet or config.json value, or an efficiency
 factor whose source is named next to it. Users pass their own shape through ``ModelSpec.dense`` or the

@@ -149,7 +149,7 @@ def simulate(
 
 def throughput_limit(spec: ServerSpec, servers: int, workload: Workload) -> float:
     """The reference rate of the whole rollout: decode tokens/s of every server at full concurrency at the
-    workload's mean running context. An estimate, not a limit (a run can exceed it: docs/gpu-projection-tables.md);
+    workload's mean running context. An estimate, not a limit (a run can exceed it: docs/method/gpu-simulator.md);
     the name and the ``share_of_limit`` key are kept so stored results still read."""
     return servers * spec.throughput_limit(workload.mean_running_context())
 
@@ -187,7 +187,7 @@ def ceiling(
     """Highest speed-up over ``sync`` any colocated scheduler could reach training ``trained``'s batches at
     ``max_staleness`` (default: the staleness ``trained`` reached): sync's mean phase over the staleness floor
     (verl_partial/sim/bound.py). A bound for that batch composition only: schedules that regroup samples into other
-    batches are not covered (the CLI labels it a bound, docs/gpu-projection-tables.md)."""
+    batches are not covered (the CLI labels it a bound, docs/method/gpu-simulator.md)."""
     staleness = int(max(trained.staleness_max)) if max_staleness is None else max_staleness
     floor = phase_floor(trained.trained_lengths, workload.prompt_len, StepCostFloor.of_server(spec), servers, staleness)
     return float(np.mean(sync.seconds)) / floor

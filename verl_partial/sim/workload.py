@@ -27,7 +27,7 @@ class Workload:
     """Shape of one RL run: ``batch`` prompts x ``n`` samples per step, lengths lognormal(p50, p99/p50).
 
     ``prompt_share``: fraction of the log-length variance shared by a prompt's samples (0.5 unless
-    measured otherwise: an assumption, stated in docs/gpu-projection-model.md).
+    measured otherwise: an assumption, stated in docs/method/gpu-simulator.md).
     """
 
     batch: int

@@ -12,7 +12,7 @@ With ``partial.length_window_steps = K >= 2`` the :class:`LengthBatcher` draws K
 drawn only when this one is used up. Longest first is longest-processing-time-first (Graham) at the window's scale:
 the window's long answers start together at its start and share its first steps, while the short rest streams
 through the later ones; under partial rollout's ``wait`` a long answer admitted late in a window would instead tie
-down the next step (docs/length-aware-batching.md compares both orders). The expected length of a prompt is the
+down the next step (docs/method/gpu-simulator.md compares both orders). The expected length of a prompt is the
 mean length of its samples the last times it was trained (:class:`verl_partial.core.partial.on_policy.LengthEstimator`,
 its earlier epochs). What it guarantees, whatever the estimates:
 

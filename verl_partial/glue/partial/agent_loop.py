@@ -49,7 +49,7 @@ from verl_partial.glue.partial.tool_loop import (
 
 logger = logging.getLogger("verl_partial.partial")
 
-# Resilience testing (documented API, docs/cpu-backend.md "Resilience testing"): every call waits a random 0..this
+# Resilience testing (documented API, docs/engines.md "Resilience testing"): every call waits a random 0..this
 # many seconds in its worker before it is sent, so that calls are in transit (launched, not yet at their server) at a
 # step end on purpose -- on any engine, vLLM included. Unset (0) in real runs.
 TRANSIT_DELAY_ENV = "VERL_PARTIAL_TRANSIT_DELAY_S"
