@@ -1,4 +1,4 @@
-"""The balancer's small-m claim (docs/balancing.md) on the balance benchmark's own batches (benchmarks/bench_balance.py).
+"""The balancer's small-m claim (docs/balancing.md) on the balance benchmark's batches (benchmarks/bench_balance.py).
 
 The batches come from the benchmark so that the claim is checked on the workloads it is published for, at a scale a
 test can afford; the balancer itself is the product's (verl_partial.core.balance.groups*).
