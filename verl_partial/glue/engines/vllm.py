@@ -185,7 +185,9 @@ def _add_vllm_take_back(module: ModuleType) -> None:
         """Abort these requests by the id their caller gave; returns those the engine held."""
         if self.node_rank != 0:  # only node rank 0 owns the AsyncLLM (as verl's own abort methods)
             return []
-        check_vllm_engine(self.engine, importlib.metadata.version(VLLM_DISTRIBUTION))  # the start-up probe's check
+        if not getattr(self, "_take_back_checked", False):  # once per server: the start-up probe's call checks it
+            check_vllm_engine(self.engine, importlib.metadata.version(VLLM_DISTRIBUTION))
+            self._take_back_checked = True
         held = [request_id for request_id in request_ids if request_id in self.engine.output_processor.external_req_ids]
         if held:
             await self.engine.abort(held)
