@@ -38,7 +38,7 @@ from verl_partial.config.partial import PartialConfig
 from verl_partial.core.partial.finish import Finish
 from verl_partial.core.partial.pool import RolloutPool, SegmentResult, length_bias_metrics
 from verl_partial.core.partial.routing import Router
-from verl_partial.core.partial.scheduler import OutOfPrompts, run_step
+from verl_partial.core.partial.scheduler import FAILURES_LOGGED_PER_STEP, OutOfPrompts, run_step
 
 TRAIN_S = 30.0  # virtual seconds of "training" between steps: gates are open, nothing may generate
 WATCHDOG_S = 30.0  # real seconds without an event-loop iteration: the driver spins (a busy loop)
@@ -610,16 +610,21 @@ def test_sglang_eos_as_a_chunks_last_token_says_length_and_still_ends_the_answer
     assert tricky["length_on_eos"] > 0
 
 
-def test_a_0_token_length_at_the_model_length_cap_is_a_failure_not_progress():
+def test_a_0_token_length_at_the_model_length_cap_is_a_failure_not_progress(caplog):
     """Issue 19, failure 5: SGLang caps new tokens at max_model_len - prompt - 1; a sample at that cap gets a
     0-token "length" on every later call. Counted as progress it relaunches forever and (``wait``) the step never
-    ends; as a failure, its group is taken out after max_retries and the step trains others."""
+    ends; as a failure, its group is taken out after max_retries and the step trains others. Each failure is logged
+    with its reason: the metric says how many calls failed, the log why."""
+    caplog.set_level("WARNING", logger="verl_partial.core.partial.scheduler")
     config = PartialConfig(extra_groups=4, staleness_policy="keep", max_retries=1)
     cap = PROMPT_LEN + 10  # 9 new tokens at most
     engine = SimEngine(1, 40, [SimServer("s0", engine="sglang", max_model_len=cap)])
     run = simulate(config, n=2, batch=2, steps=2, response_length=40, seed=1, engine=engine, prompts=200)
     assert engine.tricky["length_0_tokens"] > 0
     assert run.pool.totals.failed_groups > 0
+    reasons = [r.getMessage() for r in caplog.records if "failed:" in r.getMessage()]
+    assert 0 < len(reasons) <= min(run.pool.totals.failed_calls, 2 * FAILURES_LOGGED_PER_STEP)
+    assert all(reason.endswith("failed: answered length with no tokens") for reason in reasons)
     check_ledger(run, 2, config.extra_groups)
     for step in run.trained:
         for group in step:

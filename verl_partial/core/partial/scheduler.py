@@ -50,6 +50,7 @@ engine to produce a first output, and SGLang keeps decoding a request whose call
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter, deque
 from collections.abc import Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -71,6 +72,9 @@ __all__ = [
 ]
 
 P = TypeVar("P")
+logger = logging.getLogger(__name__)
+# A dead server fails every call routed to it: the first reasons of a step say why, the metric says how many.
+FAILURES_LOGGED_PER_STEP = 20
 
 
 class SegmentBackend(Protocol[P]):
@@ -200,6 +204,7 @@ class _Step(Generic[P]):
         self.aborts: dict[str, asyncio.Task[None]] = {}  # per server: this step's abort
         # Per server: a progress reading in flight (stall check) and when it was sent.
         self.readings: dict[str, tuple[asyncio.Task[Mapping[str, int] | None], float]] = {}
+        self.failures_logged = 0
 
     # ------------------------------------------------------------ launching
     def fill(self) -> None:
@@ -268,7 +273,7 @@ class _Step(Generic[P]):
             if ending:
                 self.release(ref)
             else:
-                self.fail(ref)
+                self.fail(call, "cancelled" if error is None else f"{type(error).__name__}: {error}")
             return
         result = future.result()
         self.pool.check_server_version(result)
@@ -297,7 +302,7 @@ class _Step(Generic[P]):
             # Refused by a closed gate, given up after a stall with nothing to show, or a server that returns
             # nothing while saying it finished: a failure.
             self.router.avoid(server)
-            self.fail(ref)
+            self.fail(call, f"answered {result.finish.value} with no tokens")
 
     def discard_late(self, future: asyncio.Future[SegmentResult]) -> None:
         if not future.cancelled() and future.exception() is None:
@@ -308,7 +313,16 @@ class _Step(Generic[P]):
         self.pool.release(ref)
         self.launch_needed = True
 
-    def fail(self, ref: SampleRef) -> None:
+    def fail(self, call: _Call, why: str) -> None:
+        """A failed call is logged with its reason: ``partial/failed_calls`` says how many, the log says why."""
+        ref = call.request.ref
+        self.failures_logged += 1
+        if self.failures_logged <= FAILURES_LOGGED_PER_STEP:
+            logger.warning("step %d: call %s on %s failed: %s", self.pool.step, call.request.request_id,
+                           call.request.server, why)  # fmt: skip
+        if self.failures_logged == FAILURES_LOGGED_PER_STEP:
+            logger.warning("step %d: further failed calls are not logged; partial/failed_calls counts them",
+                           self.pool.step)  # fmt: skip
         self.launch_needed = True  # its retry
         if self.pool.fail_segment(ref):
             # The group is out: nothing of it may keep generating.
@@ -434,7 +448,7 @@ class _Step(Generic[P]):
         _consume(call.future)
         self.pool.count(abandoned_calls=1)
         if call.given_up is _Why.STALLED:
-            self.fail(call.request.ref)
+            self.fail(call, "stalled, and its server answered neither the take-back nor the cancel")
         elif call.given_up is _Why.STEP_END:
             self.release(call.request.ref)
 
