@@ -64,3 +64,17 @@ def test_check_fails_on_a_stale_page(tmp_path, capsys) -> None:
     assert "out of date" in capsys.readouterr().err
     assert config_docs.main(["--page", str(page)]) == 0
     assert config_docs.main(["--check", "--page", str(page)]) == 0
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_our_yamls_do_not_restate_the_docstrings(block: str) -> None:
+    """A knob is documented once, under its field: a comment on a key of our own block in a YAML would be a second
+    text that drifts (one said "then cancel the rest" after the step end stopped cancelling). Headers saying what a
+    preset is for stay."""
+    for path in sorted((REPO / "hydra_configs" / block).glob("*.yaml")):
+        inside = False
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if line and not line.startswith((" ", "#")):
+                inside = line.split(":")[0] == block
+            elif inside and "#" in line:
+                raise AssertionError(f"{path.name}:{number}: comment on a {block}.* key: {line.strip()!r}")
