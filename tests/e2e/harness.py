@@ -58,6 +58,11 @@ class Run:
     def assert_ok(self) -> None:
         assert self.returncode == 0, self.log[-6000:]
 
+    def failed_calls(self) -> str:
+        """The scheduler's log lines naming each failed call and why: the message of an assertion on
+        ``partial/failed_calls`` or ``partial/failed_groups``, so a failure in CI says what the engine answered."""
+        return "\n".join(line for line in self.log.splitlines() if "failed:" in line)[-6000:]
+
 
 def run_trainer(
     assets: DemoAssets,

@@ -94,7 +94,7 @@ def test_requests_queued_in_the_engine_do_not_hold_the_step_end(queued_run):
         assert run.metric(step, "partial/control_timeouts") == 0, step
         assert run.metric(step, "partial/cancelled_calls") == 0, step  # nothing cancelled, so nothing lost unseen
         assert run.metric(step, "partial/abandoned_calls") == 0, step
-        assert run.metric(step, "partial/failed_calls") == 0, step
+        assert run.metric(step, "partial/failed_calls") == 0, (step, run.failed_calls())
         assert run.metric(step, "partial/tokens_discarded") == 0, step
         # abort + take everything back at once -> the barrier falls -> answers: never a wait for the grace.
         assert run.metric(step, "partial/step_end_s") < DEFAULT_ABORT_GRACE_S, step
@@ -180,7 +180,7 @@ def _long_run(backend: str, demo_assets: DemoAssets, tmp_path: Path, n: int, ext
         # ... and found decoding: nothing was taken back for being long.
         assert sum(run.metric(step, "partial/stalled_calls") for step in steps) == 0
     for step in steps:
-        assert run.metric(step, "partial/failed_groups") == 0, step
+        assert run.metric(step, "partial/failed_groups") == 0, (step, run.failed_calls())
         assert run.metric(step, "partial/cancelled_calls") == 0, step
         assert run.metric(step, "partial/tokens_discarded") == 0, step
     # Nothing regenerated: every token generated was trained (or is still parked), each sample's tokens are its own.
