@@ -270,20 +270,23 @@ def run_mode(
 
 
 # ---------------------------------------------------------------------------------------------- figures
-ENGINE_COUNTERS = ("engine/slot_occupancy",)
+# What the engine logs per step (verl_partial.cpu_backend.occupancy.PhaseSlots.metrics): the run's occupancy is the
+# sum of trained tokens over the sum of slot capacity, every step counted (a step with no engine step has capacity 0).
+SLOT_CAPACITY, TOKENS_TRAINED = "partial/slot/capacity", "partial/tokens_trained"
 
 
 def read_engine_counters(steps: list[dict[str, Any]]) -> dict[str, float] | None:
-    """The engine's slot-occupancy counters over the measured steps, or None where the engine exposes none.
+    """The run's slot occupancy over the measured steps, or None where the engine exposes no slot counters.
 
-    Contract with the engines: a step's metrics carry ``engine/slot_occupancy``, the rollout phase's decoded-and-
-    trained tokens over the slot-steps the phase could hold at a full batch. An engine without the counter (vLLM's CPU
-    build, our engine before it had one) gives None, and the report prints "n/a" for it, never a guess.
+    An engine without them (vLLM's CPU build), or a mode that does not log them, gives None, and the report prints
+    "n/a" for it, never a guess.
     """
-    found = {key: [float(step[key]) for step in steps if key in step] for key in ENGINE_COUNTERS}
-    if not all(found.values()):
+    if not steps or not all(SLOT_CAPACITY in step and TOKENS_TRAINED in step for step in steps):
         return None
-    return {key.removeprefix("engine/"): statistics.fmean(values) for key, values in found.items()}
+    capacity = sum(float(step[SLOT_CAPACITY]) for step in steps)
+    if capacity <= 0:
+        return None
+    return {"slot_occupancy": sum(float(step[TOKENS_TRAINED]) for step in steps) / capacity}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -128,3 +128,16 @@ def test_merging_stored_runs_refuses_a_round_held_twice(peer: ModuleType, tmp_pa
     assert merged["rounds"] == 2 and len(merged["runs"]) == 2
     with pytest.raises(SystemExit, match="round 0 of v0_sync"):
         peer.merge_results([first, clash])
+
+
+def test_occupancy_is_read_from_the_keys_the_engine_logs(peer: ModuleType) -> None:
+    """The contract with the engine: the run's occupancy is the sum of trained tokens over the sum of slot capacity,
+    read from the very keys ``PhaseSlots.metrics`` writes (the report once read a key no engine logged, and printed
+    "n/a" for every mode). A step whose engines ran no step counts with capacity 0; a run without the keys is None."""
+    from verl_partial.cpu_backend.occupancy import PhaseSlots
+
+    busy = PhaseSlots(capacity=100.0, decode_rows=60, prefill_tokens=0, steps=10, overruns=0).metrics(50.0, 0.0)
+    idle = PhaseSlots(capacity=0.0, decode_rows=0, prefill_tokens=0, steps=0, overruns=0).metrics(30.0, 0.0)
+    steps = [{**busy, "partial/tokens_trained": 50.0}, {**idle, "partial/tokens_trained": 30.0}]
+    assert peer.read_engine_counters(steps) == {"slot_occupancy": pytest.approx(80.0 / 100.0)}
+    assert peer.read_engine_counters([{"partial/tokens_trained": 50.0}]) is None
