@@ -132,7 +132,7 @@ def _unit(*parts: object) -> float:
 
 
 def build_model(workload: Workload) -> Qwen2ForCausalLM:
-    """Same architecture family as ``bench_cpu_engine``: Qwen2, 4 heads / 2 KV heads, tied embeddings."""
+    """Qwen2, 4 heads / 2 KV heads, tied embeddings (the demo's architecture family)."""
     config = Qwen2Config(
         vocab_size=VOCAB,
         hidden_size=workload.hidden_size,

@@ -211,14 +211,23 @@ WITHDRAWN: tuple[Withdrawn, ...] = (
 )
 
 
+def last_run(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A JSON-lines results file (written as it goes, one line per measurement, e.g. gpu_engine_curve.py): the
+    ``run`` line and every line of the last run it holds (a file appended to by several runs tells them apart by
+    ``run_id``). The ``run`` line is ``{}`` where the file has none."""
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    run_id = lines[-1].get("run_id") if lines else None
+    lines = [line for line in lines if line.get("run_id") == run_id]
+    return next((line for line in lines if line.get("kind") == "run"), {}), lines
+
+
 def _load(name: str) -> Mapping[str, Any]:
-    """A results file; a JSON-lines file (written as it goes, e.g. gpu_engine_curve.py) is read as its ``run``
-    line's provenance plus every line under ``lines``."""
+    """A results file; a JSON-lines file is read as its last run's ``run`` line's provenance plus that run's lines
+    under ``lines``."""
     path = RESULTS / name
     if path.suffix != ".jsonl":
         return json.loads(path.read_text())
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    head = next((line for line in lines if line.get("kind") == "run"), {})
+    head, lines = last_run(path)
     return {
         "command": head.get("command"),
         "machine": {"date": head.get("date")},

@@ -57,6 +57,7 @@ import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks.bench_partial_rollout import EngineSegmentBackend, Prompt
+from benchmarks.evidence import last_run
 from verl_partial.config.partial import PartialConfig
 from verl_partial.core.partial.length_batching import LengthBatcher
 from verl_partial.core.partial.on_policy import LengthEstimator, length_estimator
@@ -530,11 +531,8 @@ async def measure_rollout(
 
 def table(path: Path) -> str:
     """Markdown tables of this run's lines (the last run in the file)."""
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    run_id = lines[-1]["run_id"] if lines else None
-    lines = [line for line in lines if line["run_id"] == run_id]
+    head, lines = last_run(path)
     out = []
-    head = next((line for line in lines if line["kind"] == "run"), None)
     if head:
         out.append(
             f"{LABEL}: {head['device_name']}, torch {head['torch']}, {head['model_params'] / 1e9:.2f} B params "

@@ -6,10 +6,14 @@ scheduler, pool and balancer run (and are tested) without a trainer, and ``verl-
 same rule, and are the only thing outside ``core/`` that ``core/`` may import. torch is kept to the tensor side named
 in :data:`TORCH_ALLOWED`. The module list comes from the directories, so a new core module (or subpackage) is covered
 without editing this file.
+
+Above core, verl's ``DataProto`` is built and read in one adapter, :data:`DATAPROTO_ADAPTER`: any other module names
+it for type annotations only (under ``TYPE_CHECKING``) and never reads its ``meta_info`` or ``non_tensor_batch``.
 """
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 from pathlib import Path
@@ -69,3 +73,58 @@ def test_core_module_imports_no_trainer_and_nothing_above_core(module: str):
     assert not pulled, f"{module} imports {pulled}"
     above = [name for name in loaded if name.startswith("verl_partial.") and not below_core(name)]
     assert not above, f"{module} imports upwards: {above}"
+
+
+# ---------------------------------------------------------------------------------------------- DataProto
+PACKAGE = REPO / "verl_partial"
+DATAPROTO_ADAPTER = PACKAGE / "glue" / "dataproto.py"
+# What only the adapter reads or builds: DataProto's columns and meta, and the class itself (``verl.DataProto``).
+DATAPROTO_ATTRIBUTES = frozenset({"meta_info", "non_tensor_batch", "DataProto"})
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    """Ids of every node inside an ``if TYPE_CHECKING:`` block (imports there are annotations only)."""
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            inside.update(id(child) for statement in node.body for child in ast.walk(statement))
+    return inside
+
+
+def dataproto_uses(path: Path) -> list[str]:
+    """Where a module imports ``DataProto`` at run time or reads one's ``meta_info``/``non_tensor_batch``."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    annotations_only = _type_checking_nodes(tree)
+    uses: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if id(node) in annotations_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "verl":
+            if any(alias.name == "DataProto" for alias in node.names):
+                uses.append((node.lineno, "imports DataProto"))
+        elif isinstance(node, ast.Attribute) and node.attr in DATAPROTO_ATTRIBUTES:
+            uses.append((node.lineno, f".{node.attr}"))
+    return [f"line {line}: {what}" for line, what in sorted(uses)]
+
+
+def test_the_dataproto_check_sees_runtime_imports_and_reads_not_annotations(tmp_path: Path):
+    annotated = tmp_path / "annotated.py"
+    annotated.write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from verl import DataProto\n"
+        "def f(batch: DataProto) -> DataProto:\n    return batch\n"
+    )
+    assert dataproto_uses(annotated) == []
+    reader = tmp_path / "reader.py"
+    reader.write_text(
+        "import verl\nfrom verl import DataProto\ndef f(batch):\n    return batch.meta_info, verl.DataProto\n"
+    )
+    assert dataproto_uses(reader) == ["line 2: imports DataProto", "line 4: .DataProto", "line 4: .meta_info"]
+
+
+def test_only_the_adapter_builds_or_reads_a_dataproto():
+    offenders = {
+        str(path.relative_to(REPO)): uses
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path != DATAPROTO_ADAPTER and (uses := dataproto_uses(path))
+    }
+    assert not offenders, f"DataProto outside {DATAPROTO_ADAPTER.relative_to(REPO)}: {offenders}"

@@ -1,4 +1,5 @@
-"""The glue's pure parts: engine adapters, hand-over chunking, start-up refusals of configs that would corrupt samples.
+"""The glue's pure parts: engine adapters, hand-over chunking and rows, start-up refusals of configs that would corrupt
+samples.
 
 The segment path itself (Ray streaming, cancel at the server, hand-over by verl's workers) is exercised end to end
 in ``tests/e2e/test_partial_e2e.py`` and ``tests/e2e/test_partial_abort_e2e.py``.
@@ -10,11 +11,28 @@ import asyncio
 
 import numpy as np
 import pytest
+import torch
 from test_plugin_and_config import compose
+from verl import DataProto
 
 from verl_partial.config.job import validate_root_config
 from verl_partial.core.engines.adapter import engine_adapter
 from verl_partial.core.partial.finish import Finish
+from verl_partial.core.partial.pool import SampleState
+from verl_partial.glue.dataproto import (
+    PARTIAL_KEY,
+    POLICY_VERSION_KEY,
+    STEP_META_KEY,
+    attach_versions,
+    concat_chunks,
+    group_keys,
+    hand_over_rows,
+    is_validation,
+    pop_step_meta,
+    row_chunks,
+    row_fields,
+    set_hand_over_meta,
+)
 from verl_partial.glue.partial.rollout import _chunk_bounds
 
 
@@ -95,6 +113,51 @@ def test_hand_over_chunks_cover_every_row_and_never_cut_a_group(workers):
     for start, stop in bounds:
         assert start < stop
         assert start == 0 or keys[start] != keys[start - 1], "a chunk starts inside a group"
+
+
+def test_hand_over_rows_are_the_prompts_without_our_key_cut_into_the_workers_chunks():
+    keys = np.array(["a", "a", "b", "b", "c", "c"], dtype=object)
+    prompts = DataProto.from_dict(
+        tensors={"input_ids": torch.arange(12).reshape(6, 2)},
+        non_tensors={PARTIAL_KEY: keys, "uid": np.array([f"u{i}" for i in range(6)], dtype=object)},
+        meta_info={"global_steps": 3},
+    )
+    assert group_keys(prompts) is keys and not is_validation(prompts)
+    rows = hand_over_rows(prompts)
+    assert set(rows.non_tensor_batch) == {"uid"} and rows.meta_info == {}
+    assert PARTIAL_KEY in prompts.non_tensor_batch, "the trainer's batch keeps its own columns"
+    assert rows.batch["input_ids"].data_ptr() == prompts.batch["input_ids"].data_ptr()
+    chunks = row_chunks(rows, _chunk_bounds(keys, 2))
+    assert [len(chunk) for chunk in chunks] == [4, 2]
+    fields, per_row = row_fields(chunks[1], 2)
+    assert fields is chunks[1].non_tensor_batch and per_row == [{"uid": "u4"}, {"uid": "u5"}]
+    with pytest.raises(ValueError, match="hand-over of 3 samples for 2 rows"):
+        row_fields(chunks[1], 3)
+    plain = DataProto.from_dict(non_tensors={"uid": np.array(["x"], dtype=object)})
+    assert group_keys(plain) is None
+    plain.meta_info["validate"] = True
+    assert is_validation(plain)
+
+
+def test_hand_over_output_carries_per_token_versions_and_our_step_payload():
+    def chunk(rows: int, tag: str) -> DataProto:
+        return DataProto.from_dict(
+            tensors={"responses": torch.zeros(rows, 4, dtype=torch.long)},
+            meta_info={"metrics": [{"tag": tag}] * rows, "reward_extra_keys": []},
+        )
+
+    output, row_metrics = concat_chunks([chunk(2, "w0"), chunk(1, "w1")])
+    assert len(output) == 3 and row_metrics == [[{"tag": "w0"}] * 2, [{"tag": "w1"}]]
+    single = SampleState(versions=np.array([4, 5], dtype=np.int32))
+    turns = SampleState(
+        versions=np.array([5], dtype=np.int32), payload={"versions": np.array([5, -1, -1, 5, 5, 5], dtype=np.int32)}
+    )
+    attach_versions(output, [single, turns, SampleState()], response_length=4)
+    assert output.batch[POLICY_VERSION_KEY].dtype == torch.int32
+    assert output.batch[POLICY_VERSION_KEY].tolist() == [[4, 5, -1, -1], [5, -1, -1, 5], [-1, -1, -1, -1]]
+    set_hand_over_meta(output, {"agent_loop/x": 1.0}, {"version": 4})
+    assert set(output.meta_info) == {"reward_extra_keys", "timing", STEP_META_KEY}
+    assert pop_step_meta(output) == {"version": 4} and pop_step_meta(output) is None
 
 
 def test_max_model_len_below_prompt_plus_response_is_refused_at_start_up():

@@ -1,7 +1,8 @@
 """The one adapter between verl's ``DataProto`` and our algorithms: every place that builds or reads one.
 
-Uses only ``DataProto``'s public API. Three parts, moved here unchanged from the modules that held them:
-balancing, transitions and rollout correction's per-token metrics and mask.
+Uses only ``DataProto``'s public API. Four parts, moved here unchanged from the modules that held them:
+balancing, transitions, rollout correction's per-token metrics and mask, and partial rollout's hand-over and step
+payload. Elsewhere ``DataProto`` only travels (Ray calls, verl's own methods) and names types.
 
 **Balancing.** verl adapter for group-preserving balancing: DataProto in, reordered DataProto + ``balance/`` metrics
 out.
@@ -39,6 +40,14 @@ several outputs per sample (see the core module's docstring):
 
 **Rollout correction.** ``compute_lag_split_metrics`` reruns verl's own metric function per version lag;
 ``apply_staleness_mask`` drops tokens older than ``max_staleness`` versions (:mod:`verl_partial.glue.correction`).
+
+**Partial rollout.** The hand-over's rows (:mod:`verl_partial.glue.partial.rollout` keeps the Ray calls, the worker
+in :mod:`verl_partial.glue.partial.agent_loop` verl's postprocessing): ``group_keys`` and ``is_validation`` read
+what ``fit()`` asks for, ``hand_over_rows`` and ``row_chunks`` make the workers' chunks, ``row_fields`` gives a
+worker each row's columns, ``concat_chunks``, ``attach_versions`` (per-token policy versions) and
+``set_hand_over_meta`` assemble the output. The step payload in ``meta_info`` (``pop_step_meta``,
+``read_step_meta``, ``add_step_metrics``) and the flags the trainer hooks test (``has_policy_versions``,
+``is_cut_into_transitions``) are read here too.
 """
 
 from __future__ import annotations
@@ -61,6 +70,7 @@ from verl_partial.core.balance.eval import evaluate_permutation
 from verl_partial.core.balance.groups import balance_groups
 from verl_partial.core.balance.transitions import TransitionPlan, plan_transitions
 from verl_partial.core.correction.math import mask_stale_tokens, split_by_lag, token_lags
+from verl_partial.core.partial.pool import SampleState
 
 __all__ = [
     "balance_batch_by_group",
@@ -77,6 +87,24 @@ __all__ = [
     "transition_advantage",
     "compute_lag_split_metrics",
     "apply_staleness_mask",
+    "POLICY_VERSION_KEY",
+    "STALE_TOKENS_METRIC",
+    "PARTIAL_KEY",
+    "STEP_META_KEY",
+    "group_keys",
+    "is_validation",
+    "hand_over_rows",
+    "row_chunks",
+    "row_fields",
+    "concat_chunks",
+    "attach_versions",
+    "set_hand_over_meta",
+    "response_tokens",
+    "pop_step_meta",
+    "read_step_meta",
+    "add_step_metrics",
+    "has_policy_versions",
+    "is_cut_into_transitions",
 ]
 
 
@@ -451,3 +479,103 @@ def apply_staleness_mask(batch: DataProto, cfg: RolloutCorrectionConfig, current
     lags = token_lags(tensors[POLICY_VERSION_KEY], current_version, tensors["response_mask"])
     tensors["response_mask"], masked = mask_stale_tokens(tensors["response_mask"], lags, cfg.max_staleness)
     return {STALE_TOKENS_METRIC: float(masked)}
+
+
+# -------------------- partial rollout: hand-over and the step payload
+
+# The group key ``PartialRolloutLoader`` puts in each prompt row, so the hand-over finds the row's samples.
+PARTIAL_KEY = "partial_key"
+# Our per-step payload in ``meta_info`` (metrics, moved generation time, the policy version of the step).
+STEP_META_KEY = "verl_partial"
+
+
+def group_keys(prompts: DataProto) -> np.ndarray | None:
+    """Each row's partial-rollout group key, or None when the rows are not partial rollout's (other trainer paths)."""
+    return prompts.non_tensor_batch.get(PARTIAL_KEY)
+
+
+def is_validation(prompts: DataProto) -> bool:
+    """Whether verl asks to generate for validation (``meta_info["validate"]``)."""
+    return bool(prompts.meta_info.get("validate", False))
+
+
+def hand_over_rows(prompts: DataProto) -> DataProto:
+    """The prompt rows the workers build outputs for: ``prompts`` without our group key and without ``meta_info``
+    (shares the tensors)."""
+    rows = DataProto(batch=prompts.batch, non_tensor_batch=dict(prompts.non_tensor_batch), meta_info={})
+    rows.non_tensor_batch.pop(PARTIAL_KEY)
+    return rows
+
+
+def row_chunks(rows: DataProto, bounds: list[tuple[int, int]]) -> list[DataProto]:
+    """``rows`` cut at ``bounds`` (``[start, stop)`` row ranges), one chunk per worker."""
+    return [rows[start:stop] for start, stop in bounds]
+
+
+def row_fields(rows: DataProto, samples: int) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
+    """A chunk's non-tensor columns and, per row, its own values (the keyword arguments of verl's
+    ``_agent_loop_postprocess``); refuses a chunk whose row count is not the number of samples."""
+    if len(rows) != samples:
+        raise ValueError(f"hand-over of {samples} samples for {len(rows)} rows")
+    fields = rows.non_tensor_batch
+    return fields, [{key: value[index] for key, value in fields.items()} for index in range(samples)]
+
+
+def concat_chunks(outputs: list[DataProto]) -> tuple[DataProto, list[Any]]:
+    """The workers' outputs as one batch, and each chunk's agent-loop metrics (taken out of its ``meta_info``,
+    as verl's ``AgentLoopManager.generate_sequences`` does before ``_performance_metrics``)."""
+    row_metrics = [output.meta_info.pop("metrics") for output in outputs]
+    return DataProto.concat(outputs), row_metrics
+
+
+def attach_versions(output: DataProto, samples: list[SampleState], response_length: int) -> None:
+    """Add the per-token policy versions (``rollout_policy_version``, int32, -1 past the response and on tool output)
+    of ``samples``, row ``i`` being ``samples[i]``."""
+    versions = torch.full((len(samples), response_length), -1, dtype=torch.int32)
+    for row, sample in enumerate(samples):
+        # Multi-turn: the trajectory's own per-token versions (-1 on tool output), as trained.
+        row_versions = sample.versions if sample.payload is None else sample.payload["versions"][:response_length]
+        versions[row, : len(row_versions)] = torch.from_numpy(row_versions)
+    output.batch[POLICY_VERSION_KEY] = versions
+
+
+def set_hand_over_meta(output: DataProto, timing: dict[str, float], step_meta: dict[str, Any]) -> None:
+    """The hand-over's ``meta_info``: the workers' own entries but their metrics, verl's ``timing`` and our step
+    payload."""
+    output.meta_info = {
+        **{k: v for k, v in output.meta_info.items() if k != "metrics"},
+        "timing": timing,
+        STEP_META_KEY: step_meta,
+    }
+
+
+def response_tokens(output: DataProto) -> torch.Tensor:
+    """The padded response ids verl trains on, one row per sample."""
+    return output.batch["responses"]
+
+
+def pop_step_meta(batch: DataProto) -> dict[str, Any] | None:
+    """Take our step payload out of ``meta_info`` (None when partial rollout did not make the batch)."""
+    return batch.meta_info.pop(STEP_META_KEY, None)
+
+
+def read_step_meta(batch: DataProto) -> dict[str, Any] | None:
+    """Our step payload, left in place (None when partial rollout did not make the batch)."""
+    return batch.meta_info.get(STEP_META_KEY)
+
+
+def add_step_metrics(batch: DataProto, metrics: dict[str, float]) -> None:
+    """Queue metrics in our step payload, for the step's log line; nothing when there are none."""
+    if metrics:
+        payload = batch.meta_info.setdefault(STEP_META_KEY, {})
+        payload.setdefault("metrics", {}).update(metrics)
+
+
+def has_policy_versions(batch: DataProto) -> bool:
+    """Whether the batch holds partial rollout's per-token policy versions."""
+    return POLICY_VERSION_KEY in batch.batch.keys()
+
+
+def is_cut_into_transitions(batch: DataProto) -> bool:
+    """Whether ``expand_to_transitions`` cut the batch (``balance.rows=transition``)."""
+    return bool(batch.meta_info.get(TRANSITIONS_META, False))

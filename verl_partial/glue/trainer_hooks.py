@@ -75,9 +75,9 @@ def after_load_checkpoint(trainer: Any) -> None:
 
 def step_meta(batch: Any) -> dict[str, Any] | None:
     """Our per-step payload travelling in ``batch.meta_info`` (metrics and moved generation time)."""
-    from verl_partial.glue.partial.rollout import META_KEY
+    from verl_partial.glue.dataproto import pop_step_meta
 
-    return batch.meta_info.pop(META_KEY, None)
+    return pop_step_meta(batch)
 
 
 def staleness_aware_correction(batch: Any) -> dict[str, float]:
@@ -86,11 +86,15 @@ def staleness_aware_correction(batch: Any) -> dict[str, float]:
     Needs our correction block and the per-token policy versions partial rollout puts in the batch;
     returns no metrics otherwise.
     """
-    from verl_partial.glue.dataproto import apply_staleness_mask, compute_lag_split_metrics
-    from verl_partial.glue.partial.rollout import META_KEY, VERSION_KEY
+    from verl_partial.glue.dataproto import (
+        apply_staleness_mask,
+        compute_lag_split_metrics,
+        has_policy_versions,
+        read_step_meta,
+    )
 
-    meta = batch.meta_info.get(META_KEY)
-    if _correction is None or meta is None or VERSION_KEY not in batch.batch.keys():
+    meta = read_step_meta(batch)
+    if _correction is None or meta is None or not has_policy_versions(batch):
         return {}
     metrics: dict[str, float] = {}
     if _correction.log_by_lag:
@@ -102,11 +106,9 @@ def staleness_aware_correction(batch: Any) -> dict[str, float]:
 
 def add_step_metrics(batch: Any, metrics: dict[str, float]) -> None:
     """Queue metrics for this step's log line (merged where verl computes its timing metrics)."""
-    from verl_partial.glue.partial.rollout import META_KEY
+    from verl_partial.glue.dataproto import add_step_metrics as add
 
-    if metrics:
-        payload = batch.meta_info.setdefault(META_KEY, {})
-        payload.setdefault("metrics", {}).update(metrics)
+    add(batch, metrics)
 
 
 def balance_batch(
@@ -153,10 +155,10 @@ def balance_batch(
 def transition_advantage(data: Any, compute_advantage: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
     """verl's ``compute_advantage``, or for a batch cut into transitions (``balance.rows=transition``) the
     per-trajectory GRPO broadcast of verl v1."""
-    from verl_partial.glue.dataproto import TRANSITIONS_META
+    from verl_partial.glue.dataproto import is_cut_into_transitions
     from verl_partial.glue.dataproto import transition_advantage as broadcast
 
-    if not data.meta_info.get(TRANSITIONS_META, False):
+    if not is_cut_into_transitions(data):
         return compute_advantage(data, *args, **kwargs)
     bound = inspect.signature(compute_advantage).bind(data, *args, **kwargs)
     options = {name: value for name, value in bound.arguments.items() if name != "data"}

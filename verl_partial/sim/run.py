@@ -104,8 +104,7 @@ def simulate(
     :class:`~verl_partial.core.partial.on_policy.LengthEstimator` over the prompts' history (prompt identity = its
     index in
     the workload's data set) and their finished siblings. ``pool_type`` and
-    ``source_type`` let an experiment try a scheduling variant before it becomes a knob
-    (benchmarks/sim_tail_levers.py).
+    ``source_type`` let an experiment try a scheduling variant before it becomes a knob.
     """
     estimator = length_estimator(config, identity=lambda prompt: prompt)
 

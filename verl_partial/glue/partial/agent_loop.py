@@ -22,11 +22,10 @@ import os
 import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
-from verl import DataProto
 from verl.experimental.agent_loop.agent_loop import (
     AgentLoopBase,
     AgentLoopMetrics,
@@ -39,6 +38,7 @@ from verl_partial.core.engines.adapter import check_model_len, engine_adapter
 from verl_partial.core.partial.finish import Finish, eos_id_set
 from verl_partial.core.partial.pool import LOG_PROB_DTYPE, TOKEN_DTYPE
 from verl_partial.core.partial.trajectory import Trajectory
+from verl_partial.glue.dataproto import row_fields
 from verl_partial.glue.partial.tool_loop import (
     PartialToolAgentLoop,
     agent_loop_kwargs,
@@ -46,6 +46,9 @@ from verl_partial.glue.partial.tool_loop import (
     run_tool_segment,
     runs_tools,
 )
+
+if TYPE_CHECKING:
+    from verl import DataProto
 
 logger = logging.getLogger("verl_partial.partial")
 
@@ -353,15 +356,11 @@ class PartialAgentLoopWorker(AgentLoopWorker):
     async def hand_over(self, rows: DataProto, samples: list[FinishedSample]) -> DataProto:
         """verl's rows for finished samples: ``_agent_loop_postprocess`` per sample (padding, position ids, reward)
         and ``_postprocess`` for the chunk, exactly as ``generate_sequences`` does for its own outputs."""
-        if len(rows) != len(samples):
-            raise ValueError(f"hand-over of {len(samples)} samples for {len(rows)} rows")
-        fields = rows.non_tensor_batch
+        fields, per_row = row_fields(rows, len(samples))
         outputs = await asyncio.gather(
             *[
-                self._agent_loop_postprocess(
-                    self._finished_output(sample), False, **{key: value[index] for key, value in fields.items()}
-                )
-                for index, sample in enumerate(samples)
+                self._agent_loop_postprocess(self._finished_output(sample), False, **kwargs)
+                for sample, kwargs in zip(samples, per_row, strict=True)
             ]
         )
         return self._postprocess(list(outputs), input_non_tensor_batch=fields, validate=False)

@@ -24,12 +24,11 @@ import json
 import logging
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
 import torch
-from verl import DataProto
 from verl.experimental.agent_loop.agent_loop import AgentLoopManager
 
 from verl_partial.config.partial import STATE_FILE, PartialConfig
@@ -40,15 +39,26 @@ from verl_partial.core.partial.pool import GroupState, RolloutPool, SampleState
 from verl_partial.core.partial.scheduler import StepResult, run_step
 from verl_partial.core.partial.turn_metrics import parked_turn_metrics, trained_turn_metrics
 from verl_partial.cpu_backend.occupancy import phase_slots
+from verl_partial.glue.dataproto import (
+    PARTIAL_KEY,
+    attach_versions,
+    concat_chunks,
+    group_keys,
+    hand_over_rows,
+    is_validation,
+    response_tokens,
+    row_chunks,
+    set_hand_over_meta,
+)
 from verl_partial.glue.partial.agent_loop import FinishedSample, PartialAgentLoopWorker
 from verl_partial.glue.partial.segment_backend import WORKER_MAX_CONCURRENCY, WorkerSegmentBackend
 from verl_partial.patches import guard
 
+if TYPE_CHECKING:
+    from verl import DataProto
+
 logger = logging.getLogger("verl_partial.partial")
 
-PARTIAL_KEY = "partial_key"
-VERSION_KEY = "rollout_policy_version"
-META_KEY = "verl_partial"
 # How long validation waits for servers whose step-end abort outlived the step (their resume is chained on it).
 # vLLM's abort waits up to 60 s for its admission barrier, then drains; five times that is a broken server.
 REOPEN_TIMEOUT_S = 300.0
@@ -178,8 +188,9 @@ class PartialAgentLoopManager(AgentLoopManager):
         }
 
     def generate_sequences(self, prompts: DataProto) -> DataProto:
-        if prompts.meta_info.get("validate", False) or PARTIAL_KEY not in prompts.non_tensor_batch:
-            if self._prepared is not None and PARTIAL_KEY not in prompts.non_tensor_batch:
+        keys = group_keys(prompts)
+        if is_validation(prompts) or keys is None:
+            if self._prepared is not None and keys is None:
                 raise RuntimeError(
                     "partial rollout prepared this step's groups but the trainer asked to generate other "
                     "prompts; unsupported trainer path (e.g. REMAX baseline rollouts)"
@@ -187,14 +198,13 @@ class PartialAgentLoopManager(AgentLoopManager):
             if self._backend is not None:  # validation right after a step end: the servers must be open again
                 self._backend.wait_reopened(REOPEN_TIMEOUT_S)
             return super().generate_sequences(prompts)
-        return self._hand_over(prompts)
+        return self._hand_over(prompts, keys)
 
-    def _hand_over(self, prompts: DataProto) -> DataProto:
+    def _hand_over(self, prompts: DataProto, keys: np.ndarray) -> DataProto:
         """verl's rows for the prepared groups, built by the workers in worker-sized chunks of whole groups."""
         if self._prepared is None:
             raise RuntimeError("partial rollout has no prepared groups for this training step")
         prepared, self._prepared = self._prepared, None
-        keys = prompts.non_tensor_batch[PARTIAL_KEY]
         order, next_sample = [], dict.fromkeys(prepared, 0)
         for key in keys:
             order.append((prepared[key], next_sample[key]))
@@ -202,35 +212,21 @@ class PartialAgentLoopManager(AgentLoopManager):
         samples = [group.samples[index] for group, index in order]
         if any(count != len(prepared[key].samples) for key, count in next_sample.items()):
             raise RuntimeError("the trainer's batch does not hold every sample of the prepared groups")
-        rows = DataProto(batch=prompts.batch, non_tensor_batch=dict(prompts.non_tensor_batch), meta_info={})
-        rows.non_tensor_batch.pop(PARTIAL_KEY)
         bounds = _chunk_bounds(keys, len(self.agent_loop_workers))
+        rows = row_chunks(hand_over_rows(prompts), bounds)
         chunks = [
             worker.hand_over.remote(
-                rows[start:stop],
+                chunk,
                 [
                     FinishedSample(prepared[keys[i]].prompt_ids, sample.token_ids, sample.log_probs, sample.payload)
                     for i, sample in zip(range(start, stop), samples[start:stop], strict=True)
                 ],
             )
-            for worker, (start, stop) in zip(self.agent_loop_workers, bounds, strict=False)
+            for worker, chunk, (start, stop) in zip(self.agent_loop_workers, rows, bounds, strict=False)
         ]
-        outputs: list[DataProto] = ray.get(chunks)
-        row_metrics = [output.meta_info.pop("metrics") for output in outputs]
-        output = DataProto.concat(outputs)
-        response_length = self.rollout_config.response_length
-        versions = torch.full((len(samples), response_length), -1, dtype=torch.int32)
-        for row, sample in enumerate(samples):
-            # Multi-turn: the trajectory's own per-token versions (-1 on tool output), as trained.
-            row_versions = sample.versions if sample.payload is None else sample.payload["versions"][:response_length]
-            versions[row, : len(row_versions)] = torch.from_numpy(row_versions)
-        output.batch[VERSION_KEY] = versions
-        timing = self._performance_metrics(row_metrics, output)
-        output.meta_info = {
-            **{k: v for k, v in output.meta_info.items() if k != "metrics"},
-            "timing": timing,
-            META_KEY: self._prepared_meta,
-        }
+        output, row_metrics = concat_chunks(ray.get(chunks))
+        attach_versions(output, samples, self.rollout_config.response_length)
+        set_hand_over_meta(output, self._performance_metrics(row_metrics, output), self._prepared_meta)
         if self._on_hand_over is not None:
             self._on_hand_over(order, output)
         return output
@@ -368,7 +364,7 @@ class PartialRolloutLoader:
 
     def _dump(self, step: int, order: list[tuple[GroupState[Row], int]], output: DataProto) -> None:
         """Every trained sample as generated (ids, log-probs, versions) next to the padded row verl trains on."""
-        responses = output.batch["responses"]
+        responses = response_tokens(output)
         samples = []
         for row, (group, index) in enumerate(order):
             sample = group.samples[index]
