@@ -94,22 +94,17 @@ def simulate(
     spec: ServerSpec,
     servers: int,
     steps: int,
-    *,
-    pool_type: type[RolloutPool[int]] = RolloutPool,
-    source_type: type[PromptCycle] = PromptCycle,
 ) -> ModeRun:
     """``steps`` rollout phases of ``config`` on ``servers`` simulated servers, in virtual time.
 
     ``partial.schedule=longest_first`` orders launches, and ``partial.length_window_steps`` composes batches, with a
     :class:`~verl_partial.core.partial.on_policy.LengthEstimator` over the prompts' history (prompt identity = its
-    index in
-    the workload's data set) and their finished siblings. ``pool_type`` and
-    ``source_type`` let an experiment try a scheduling variant before it becomes a knob.
+    index in the workload's data set) and their finished siblings.
     """
     estimator = length_estimator(config, identity=lambda prompt: prompt)
 
     async def main() -> ModeRun:
-        pool = pool_type(
+        pool: RolloutPool[int] = RolloutPool(
             config,
             group_size=workload.n,
             batch_groups=workload.batch,
@@ -117,7 +112,7 @@ def simulate(
             priority=estimator.priority if estimator else None,
         )
         backend = SimBackend(spec, servers, workload)
-        source = source_type(workload)
+        source = PromptCycle(workload)
         batcher = estimator and LengthBatcher.for_config(config, source, workload.batch, estimator.prompt_history)
         record = ModeRun()
         for step in range(steps):
