@@ -11,7 +11,7 @@ from pathlib import Path
 
 import nox
 
-nox.options.sessions = ["tests", "vllm"]
+nox.options.sessions = ["tests", "vllm"]  # CI (.ci/run): both, under 60 minutes on a 2-core machine
 nox.options.reuse_existing_virtualenvs = True
 nox.options.error_on_missing_interpreters = True
 
@@ -112,7 +112,8 @@ def tests(session: nox.Session) -> None:
     session.install(".[test]")
     wheel_dir = _download_sglang_wheels(session)
     env = {"VERL_PARTIAL_SGLANG_WHEELS": str(wheel_dir), "VERL_PARTIAL_REQUIRE_SGLANG_WHEELS": "1"}
-    session.run("pytest", "-m", "not vllm", *session.posargs, env=env)
+    # --durations: the slowest tests are printed, so CI's time is accounted for where it is spent.
+    session.run("pytest", "-m", "not vllm and not release", "--durations=15", *session.posargs, env=env)
 
 
 @nox.session
@@ -124,4 +125,12 @@ def vllm(session: nox.Session) -> None:
     session.install(VLLM_TORCH, *VLLM_RUNTIME, ".[test]")
     session.install(VLLM_TORCH, "TransferQueue==0.1.11")  # verl's v1 trainer: +backend=cpu_vllm_v1, bench_peer
     # -rP: the log-prob differences the tests measure are part of the tier's report.
-    session.run("pytest", "-m", "vllm", "-rP", *session.posargs)
+    session.run("pytest", "-m", "vllm and not release", "-rP", "--durations=15", *session.posargs)
+
+
+@nox.session(python=False)
+def release(session: nox.Session) -> None:
+    """Before each release: the end-to-end tests CI has no time for (marked ``release``; tests/README.md says which
+    and why), each in its tier's environment. A later ``-m`` overrides the tier's own selection."""
+    session.notify("tests", ["-m", "release and not vllm"])
+    session.notify("vllm", ["-m", "vllm and release"])
