@@ -19,8 +19,9 @@ random schedules in milliseconds:
 from __future__ import annotations
 
 import dataclasses
+from bisect import bisect_left, bisect_right, insort
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -251,6 +252,14 @@ class RolloutPool(Generic[P]):
         # the scheduler) and ``step_done`` do not rescan every sample: at 512 x 16 that rescan was a third of the
         # scheduler's driver time.
         self._finished: set[int] = set()
+        # The runnable samples (``_is_runnable``), kept in step with every change to a sample, so that a launch costs
+        # O(samples it launches) instead of a scan of every sample: with max_calls_per_server binding, every answer
+        # frees one slot and launches one sample, and at 512 x 16 that full scan (and sort) per launch was ~95% of
+        # the scheduler's driver time (docs/evidence.md#scheduler-driver-cpu). ``_runnable`` maps a group id to the
+        # indices of its runnable samples (no empty sets); ``_runnable_ids`` holds the same group ids, ascending.
+        # Samples change only through this class's methods: each that can flip ``_is_runnable`` calls ``_index``.
+        self._runnable: dict[int, set[int]] = {}
+        self._runnable_ids: list[int] = []
         self.next_group_id = 0
         self.version = 0
         self.server_version: int | None = None
@@ -289,7 +298,10 @@ class RolloutPool(Generic[P]):
         group_id = self.next_group_id
         self.next_group_id += 1
         samples = [SampleState() for _ in range(self.group_size)]
-        self.groups[group_id] = GroupState(group_id, key, prompt, samples, admitted_step=self.step)
+        group = GroupState(group_id, key, prompt, samples, admitted_step=self.step)
+        self.groups[group_id] = group
+        for index in range(self.group_size):
+            self._index(group, index)
         self.count(admitted_groups=1)
         self.events.append(("admitted", key))
         return group_id
@@ -318,6 +330,7 @@ class RolloutPool(Generic[P]):
                 sample.last_server = None
             self._enforce_staleness(group)
         self._finished = {group.group_id for group in self.groups.values() if group.finished}
+        self._reindex()  # budgets were reset and stale samples restarted: once per step, a full rebuild is cheap
 
     def _enforce_staleness(self, group: GroupState[P]) -> None:
         """``wait`` lets no unfinished sample reach this point stale; a finished group the last step could not train
@@ -353,20 +366,86 @@ class RolloutPool(Generic[P]):
         self.count(tokens_discarded=thrown, **{f"{reason}_groups": 1})
         del self.groups[group.group_id]
         self._finished.discard(group.group_id)
+        self._unindex(group.group_id)
         self.events.append((reason, group.key))
 
     def runnable(self) -> list[SampleRef]:
         """Samples that may start a segment now, oldest group first (old groups finish first, lag least), or in
-        ``priority`` order when one is set (e.g. longest expected first, :mod:`verl_partial.core.partial.on_policy`)."""
-        refs = []
-        for group in sorted(self.groups.values(), key=lambda g: g.group_id):
-            for index, sample in enumerate(group.samples):
-                if not sample.finished and not sample.in_flight and self._budget(sample) > 0:
-                    refs.append(SampleRef(group.group_id, index))
+        ``priority`` order when one is set (e.g. longest expected first, :mod:`verl_partial.core.partial.on_policy`).
+
+        All of them; a launcher that may stop early (servers at ``max_calls_per_server``) uses
+        :meth:`iter_runnable`, which costs only what it yields."""
+        return list(self.iter_runnable())
+
+    def iter_runnable(self) -> Iterator[SampleRef]:
+        """:meth:`runnable`'s samples in the same order, produced as they are consumed.
+
+        The caller may ``start`` each yielded sample before asking for the next (the scheduler's launch does);
+        a sample that stopped being runnable meanwhile is skipped. Oldest group first, samples by index: each step
+        finds the next group from the index of runnable samples, so the thousands of samples in flight (or finished)
+        are never visited. Under a ``priority`` the order is a stable sort of that order by ``priority``, which can
+        change as siblings finish or history grows, so it is evaluated here, at the start of the iteration -- over
+        the runnable samples only."""
         if self.priority is not None:
             priority, groups = self.priority, self.groups
+            refs = [
+                SampleRef(group_id, index)
+                for group_id in self._runnable_ids
+                for index in sorted(self._runnable[group_id])
+            ]
             refs.sort(key=lambda ref: priority(groups[ref.group_id], groups[ref.group_id].samples[ref.index]))
-        return refs
+            for ref in refs:
+                if ref.index in self._runnable.get(ref.group_id, ()):
+                    yield ref
+            return
+        last = -1
+        while True:
+            position = bisect_right(self._runnable_ids, last)
+            if position == len(self._runnable_ids):
+                return
+            last = self._runnable_ids[position]
+            for index in sorted(self._runnable[last]):
+                if index in self._runnable.get(last, ()):
+                    yield SampleRef(last, index)
+
+    def has_runnable(self) -> bool:
+        """Whether any sample may start a segment now (O(1))."""
+        return bool(self._runnable)
+
+    def _is_runnable(self, sample: SampleState) -> bool:
+        return not sample.finished and not sample.in_flight and self._budget(sample) > 0
+
+    def _index(self, group: GroupState[P], index: int) -> None:
+        """Re-evaluate one sample for the index of runnable samples; called after every change to a sample that
+        can flip ``_is_runnable`` (its finish, in-flight flag, tokens or this step's tokens)."""
+        group_id = group.group_id
+        indices = self._runnable.get(group_id)
+        if self._is_runnable(group.samples[index]):
+            if indices is None:
+                self._runnable[group_id] = {index}
+                insort(self._runnable_ids, group_id)
+            else:
+                indices.add(index)
+        elif indices is not None:
+            indices.discard(index)
+            if not indices:
+                self._unindex(group_id)
+
+    def _unindex(self, group_id: int) -> None:
+        """Take a group out of the index of runnable samples (it left the pool, or has none left)."""
+        if self._runnable.pop(group_id, None) is not None:
+            del self._runnable_ids[bisect_left(self._runnable_ids, group_id)]
+
+    def _reindex(self) -> None:
+        """Rebuild the index of runnable samples from every sample: after the changes that touch them all (a step's
+        budgets reset, a budget round, a checkpoint loaded)."""
+        self._runnable = {}
+        for group_id in sorted(self.groups):
+            group = self.groups[group_id]
+            indices = {index for index, sample in enumerate(group.samples) if self._is_runnable(sample)}
+            if indices:
+                self._runnable[group_id] = indices
+        self._runnable_ids = list(self._runnable)
 
     def _budget(self, sample: SampleState) -> int:
         return self.config.max_new_tokens(len(sample.token_ids), sample.tokens_this_step, self.response_length)
@@ -385,6 +464,7 @@ class RolloutPool(Generic[P]):
         if budget <= 0:
             raise RuntimeError(f"sample {group.key}/{ref.index} has no token budget left this step")
         sample.in_flight = True
+        self._index(group, ref.index)
         if sample.last_server is not None and sample.last_server != server:
             self.count(route_changes=1)
         sample.last_server = server
@@ -444,6 +524,7 @@ class RolloutPool(Generic[P]):
         sample.finish = result.finish if result.finish is not Finish.ABORTED or not sample.finished else Finish.LENGTH
         if result.payload is not None:
             sample.payload = result.payload
+        self._index(group, ref.index)
         if sample.finished:
             self.finished_lengths.append(len(sample.token_ids))
             if group.finished:
@@ -456,6 +537,7 @@ class RolloutPool(Generic[P]):
         group = self.groups.get(ref.group_id)
         if group is not None:
             group.samples[ref.index].in_flight = False
+            self._index(group, ref.index)
 
     def fail_segment(self, ref: SampleRef) -> bool:
         """Record a call that raised, was refused or stalled without tokens; returns True when the group was
@@ -466,6 +548,7 @@ class RolloutPool(Generic[P]):
         sample = group.samples[ref.index]
         sample.in_flight = False
         sample.failures += 1
+        self._index(group, ref.index)
         self.count(failed_calls=1)
         if sample.failures > self.config.max_retries:
             self._take_out(group, "failed")
@@ -515,7 +598,7 @@ class RolloutPool(Generic[P]):
             not self.step_done()
             and self.in_flight() == 0
             and not (can_admit and self.free_slots() > 0)
-            and not self.runnable()
+            and not self.has_runnable()
             and any(not group.finished for group in self.groups.values())
         )
 
@@ -523,6 +606,7 @@ class RolloutPool(Generic[P]):
         for group in self.groups.values():
             for sample in group.samples:
                 sample.tokens_this_step = 0
+        self._reindex()
         self.count(budget_rounds=1)
 
     def take_ready(self) -> list[GroupState[P]]:
@@ -533,7 +617,7 @@ class RolloutPool(Generic[P]):
         if len(ready) < self.batch_groups:
             raise RuntimeError(f"only {len(ready)} of {self.batch_groups} groups are finished")
         taken = ready[: self.batch_groups]
-        for group in taken:
+        for group in taken:  # finished: none of its samples is in the index of runnable samples
             del self.groups[group.group_id]
             self._finished.discard(group.group_id)
             self.events.append(("trained", group.key))
@@ -643,6 +727,7 @@ class RolloutPool(Generic[P]):
         self.version = state["version"]
         self.step = state["step"]
         self.totals = Counters(**state["totals"])
+        self._reindex()
 
 
 def length_bias_metrics(

@@ -221,7 +221,9 @@ class _Step(Generic[P]):
             return
         self.launch_needed = False
         wave: list[tuple[GroupState[P], SegmentRequest, int]] = []
-        for ref in self.pool.runnable():
+        # Lazily: once every server is at max_calls_per_server the rest is never produced (one answer frees one slot,
+        # so a launch usually takes one sample).
+        for ref in self.pool.iter_runnable():
             sample = self.pool.sample(ref)
             tokens = len(sample.token_ids) + self.pool.config.max_new_tokens(
                 len(sample.token_ids), sample.tokens_this_step, self.pool.response_length
@@ -590,7 +592,7 @@ async def run_step(
             if not state.calls:
                 if pool.needs_budget_round(can_admit=not state.source_empty):
                     pool.grant_budget_round()
-                    if not pool.runnable():
+                    if not pool.has_runnable():
                         # A grant that makes nothing runnable would loop here forever without awaiting anything.
                         raise RuntimeError(
                             f"step {step}: unfinished samples have no token budget left even after a budget round "
