@@ -21,6 +21,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from release_only import RELEASE_ONLY
 
 VLLM_MARK = "vllm"
 HEAVY_MARKS = ("e2e", VLLM_MARK)
@@ -38,6 +39,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    release = pytest.mark.release
+    for item in items:
+        if item.nodeid in RELEASE_ONLY:
+            item.add_marker(release)
     if _vllm_installed():
         return
     skip = pytest.mark.skip(reason=VLLM_SKIP_REASON)

