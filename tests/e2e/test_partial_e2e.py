@@ -185,6 +185,8 @@ def test_failing_and_hanging_generate_calls_are_retried_and_counted(demo_assets,
     )
     run.assert_ok()
     assert sum(run.metric(step, "partial/failed_calls") for step in (1, 2)) > 0
+    # Each failure reaches the trainer's log with its reason (the injected fault's error), not only the count.
+    assert "failed: RuntimeError" in run.failed_calls(), run.log[-3000:]
     for step in (1, 2):
         samples = torch.load(tmp_path / "dump" / f"step_{step}.pt")["samples"]
         assert len({s["key"] for s in samples}) == GROUPS and len(samples) == GROUPS * N
