@@ -8,6 +8,8 @@ import asyncio
 import concurrent.futures
 import threading
 
+import pytest
+
 from verl_partial.core.engines.adapter import engine_adapter
 from verl_partial.glue.partial.segment_backend import WorkerSegmentBackend
 
@@ -84,3 +86,28 @@ def test_a_resume_waits_for_its_servers_abort_even_after_the_steps_loop_ended():
         assert glue.reopening() == {}
 
     asyncio.run(next_step_start())
+
+
+def test_a_failed_resume_is_refused_at_the_next_step_start_not_routed_to():
+    """verl's resume_generation opens the gate only after the engine resumed: a server whose resume raised may still
+    refuse every call, each an empty "aborted" answer counted as a failure, until groups are taken out. The glue counted
+    a failed resume as landed; the next step's start (and validation's wait) now raise, naming the server."""
+    broken, healthy = ControlServer(), ControlServer()
+    glue = backend(broken, healthy)
+
+    async def step_end() -> None:
+        resumes = [asyncio.ensure_future(glue.resume(server)) for server in ("s0", "s1")]
+        await asyncio.sleep(0)
+        broken.sent[0][1].done.set_exception(RuntimeError("engine did not resume"))
+        healthy.sent[0][1].done.set_result(None)
+        await asyncio.wait_for(asyncio.gather(*resumes), 1.0)
+
+    asyncio.run(step_end())
+
+    async def next_step_start() -> None:
+        glue.reopening()
+
+    with pytest.raises(RuntimeError, match=r"resume_generation failed on \['s0'\].*engine did not resume"):
+        asyncio.run(next_step_start())
+    with pytest.raises(RuntimeError, match=r"resume_generation failed on \['s0'\]"):
+        glue.wait_reopened(1.0)

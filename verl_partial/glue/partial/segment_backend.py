@@ -63,8 +63,8 @@ class WorkerSegmentBackend:
             raise ValueError(f"{len(self._servers)} server addresses for {len(replicas)} replicas: expected one each")
         self.replicas = dict(zip(self._servers, replicas, strict=True))
         # Per server: its last abort, done when every control server returned; its last resume, likewise.
-        self.aborts: dict[str, concurrent.futures.Future[None]] = {}
-        self.resumes: dict[str, concurrent.futures.Future[None]] = {}
+        self.aborts: dict[str, concurrent.futures.Future[list[BaseException]]] = {}
+        self.resumes: dict[str, concurrent.futures.Future[list[BaseException]]] = {}
         self.pool: RolloutPool[Row] | None = None
         self.futures: dict[str, asyncio.Future[SegmentResult]] = {}
         self.calls: dict[str, tuple[int, str]] = {}  # request id -> (worker, server) of calls sent
@@ -216,7 +216,7 @@ class WorkerSegmentBackend:
         replica = self.replicas[server]
 
         def send(_: object = None) -> None:  # now, or in Ray's callback thread once the abort returned
-            _when_all(self.engine.resume_calls(replica), lambda: resumed.set_result(None))
+            _when_all(self.engine.resume_calls(replica), resumed.set_result)
 
         aborted = self.aborts.pop(server, None)
         if aborted is None:
@@ -232,10 +232,12 @@ class WorkerSegmentBackend:
         on it lands. verl's validation, sent right after such a step, would be answered with empty "aborted"
         outputs and score them, silently. Raises, naming the servers, if they are still closed after ``timeout_s``.
         """
+        self.check_resumes()
         pending = {server: resumed for server, resumed in self.resumes.items() if not resumed.done()}
         if not pending:
             return
         _, closed = concurrent.futures.wait(pending.values(), timeout=timeout_s)
+        self.check_resumes()
         if closed:
             names = sorted(server for server, resumed in pending.items() if resumed in closed)
             raise RuntimeError(
@@ -251,32 +253,50 @@ class WorkerSegmentBackend:
         return {request_id: tokens for reading in readings for request_id, tokens in reading.items()}
 
     def reopening(self) -> dict[str, asyncio.Future[None]]:
+        self.check_resumes()
         return {server: _on_loop(resumed) for server, resumed in self.resumes.items() if not resumed.done()}
 
+    def check_resumes(self) -> None:
+        """Raise, naming the servers, if a resume failed: verl's ``resume_generation`` reopens the gate only after the
+        engine resumed, so a server whose resume raised may still reject every call (as empty "aborted" answers,
+        failures that would take groups out) or sit paused. Never routed to as if it were open."""
+        failed = {server: resumed.result() for server, resumed in self.resumes.items() if resumed.done()}
+        failed = {server: errors for server, errors in failed.items() if errors}
+        if failed:
+            detail = "; ".join(f"{server}: {errors[0]!r}" for server, errors in sorted(failed.items()))
+            raise RuntimeError(
+                f"resume_generation failed on {sorted(failed)}, whose gates may still be closed: {detail}"
+            )
 
-def _when_all(refs: list[Any], then: Callable[[], None] | None = None) -> concurrent.futures.Future[None]:
-    """A future (not tied to any event loop) done once every Ray call of ``refs`` returned, failed or not; ``then``
-    runs at that moment, in whichever thread completes it."""
-    done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+def _when_all(
+    refs: list[Any], then: Callable[[list[BaseException]], None] | None = None
+) -> concurrent.futures.Future[list[BaseException]]:
+    """A future (not tied to any event loop) done once every Ray call of ``refs`` returned, failed or not, with the
+    errors of those that failed; ``then`` gets them at that moment, in whichever thread completes it."""
+    done: concurrent.futures.Future[list[BaseException]] = concurrent.futures.Future()
     if then is not None:
-        done.add_done_callback(lambda _: then())
-    remaining, lock = [len(refs)], threading.Lock()
+        done.add_done_callback(lambda finished: then(finished.result()))
+    remaining, errors, lock = [len(refs)], [], threading.Lock()
 
-    def one(_: object) -> None:
+    def one(call: concurrent.futures.Future[Any]) -> None:
+        error = concurrent.futures.CancelledError() if call.cancelled() else call.exception()
         with lock:
+            if error is not None:
+                errors.append(error)
             remaining[0] -= 1
             last = remaining[0] == 0
         if last:
-            done.set_result(None)
+            done.set_result(errors)
 
     for ref in refs:
         ref.future().add_done_callback(one)
     if not refs:
-        done.set_result(None)
+        done.set_result(errors)
     return done
 
 
-def _on_loop(done: concurrent.futures.Future[None]) -> asyncio.Future[None]:
+def _on_loop(done: concurrent.futures.Future[Any]) -> asyncio.Future[None]:
     """An asyncio future of the running loop that completes with ``done``. Cancelling it (the step's loop ends) leaves
     ``done`` and what is chained on it alone, and a completion after the loop closed is dropped."""
     loop = asyncio.get_running_loop()
