@@ -33,7 +33,17 @@ SGLang 0.5.12 behind verl's ``SGLangHttpServer`` (``sglang/srt/managers/schedule
   * a Ray-cancelled call sends no abort (no ``CancelledError`` handler): the request keeps decoding and holding its
     slot until it finishes or an abort reaches it; cancelled at the pause gate it leaks its state. Our server fix
     (``cancel_aborts=True``) sends ``abort_request(rid)`` first, as vLLM does;
-  * new tokens are capped at ``max_model_len - prompt - 1``: at the cap, "length" with 0 tokens.
+  * new tokens are capped at ``max_model_len - prompt - 1``: at the cap, "length" with 0 tokens;
+  * ``TokenizerManager.rid_to_state`` (a state from arrival, before the pause gate, until a scheduler output deletes
+    it): an abort of a queued request is echoed back and handled later by ``_handle_abort_req``, which indexes the
+    table without a guard (a KeyError kills SGLang: a violation). With ``cancel_aborts`` the double runs our fix's own
+    ``_cancel`` and ``_forget_answered`` (``verl_partial/glue/engines/sglang.py``) on that table.
+
+Speculative servers (``spec_run`` > 1): an engine step appends a run of 1..``spec_run`` tokens. vLLM 0.24's scheduler
+checks stop (EOS, ``max_tokens``) after each token and drops the rest of the run; SGLang 0.5.12 appends the whole run,
+then checks abort (the whole output is returned, past ``max_new_tokens`` too), length (cut at ``max_new_tokens``),
+EOS (cut after the first EOS of the run). Every answer -- token ids, log-probs, the engine's stop reason as verl's
+server reports it -- goes through the real finish mapper and ``SegmentEnd.cut``, as the glue's ``_generate`` does.
 
 On both, a resume that lands while the server's abort has not returned is undone by the pause that ends the abort
 and leaves the engine paused: the double records it (a violation). ``resume`` chains the resume on the server's
@@ -51,13 +61,16 @@ import asyncio
 import functools
 import hashlib
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
+import verl  # noqa: F401 -- first: verl's plugin hook imports verl_partial's glue, which the next lines import too
 
 from verl_partial.core.engines.adapter import FINISH_MAPPERS
 from verl_partial.core.partial.pool import GroupState, SegmentRequest, SegmentResult
+from verl_partial.glue.engines.sglang import _cancel, _forget_answered
 from verl_partial.sim.clock import run_virtual
 
 __all__ = [
@@ -132,12 +145,16 @@ class SimServer:
     paused: bool = False
     admitting: int = 0  # vLLM ``_admitting``
     pause_delay_s: float = 0.0  # from the end of the barrier (SGLang: the abort call) to the pause landing
+    spec_run: int = 1  # speculative decoding: an engine step appends a run of 1..spec_run tokens (1: off)
     aborting: bool = False  # an abort is under way (it has not returned)
     resumed_while_aborting: bool = False
     waiting: deque[SimCall] = field(default_factory=deque)
     running: set[SimCall] = field(default_factory=set)
     # Who waits for the next change of gate, pause, queue or admissions (each registered before it yields).
     watchers: list[asyncio.Future[None]] = field(default_factory=list)
+
+    # SGLang's TokenizerManager (set by SimEngine): what our server fix's cancel reads and the abort echo indexes.
+    tokenizer_manager: SimTokenizerManager | None = None
 
     def dead(self, now: float) -> bool:
         return now >= self.dies_at
@@ -158,6 +175,31 @@ class SimServer:
 
 
 @dataclass(eq=False)
+class SimReqState:
+    """SGLang's ``ReqState`` as our server fix reads it: ``finished``, ``event``, and whether it was dispatched."""
+
+    finished: bool = False
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    dispatched: bool = False
+
+
+@dataclass
+class SimTokenizerManager:
+    """SGLang 0.5.12's ``TokenizerManager`` as far as our server fix touches it: ``rid_to_state`` (a state from the
+    request's arrival, before the pause gate, until a scheduler output deletes it) and ``abort_request(rid)``, which
+    does nothing for an id it holds no state of, else sends the abort to the scheduler."""
+
+    send_abort: Callable[[str], None]
+    rid_to_state: dict[str, SimReqState] = field(default_factory=dict)
+    aborts_sent: int = 0
+
+    def abort_request(self, rid: str) -> None:
+        if rid in self.rid_to_state:  # tokenizer_manager.py@0.5.12:1490 "if not abort_all and rid not in ..."
+            self.aborts_sent += 1
+            self.send_abort(rid)
+
+
+@dataclass(eq=False)
 class SimCall:
     request: SegmentRequest
     key: str
@@ -170,6 +212,8 @@ class SimCall:
     cancelled: bool = False  # Ray-cancelled: the client got nothing back
     zombie: bool = False  # cancelled on SGLang without our fix: decodes on, unseen
     first_output: bool = False
+    echoed: bool = False  # SGLang: the scheduler's echo of its abort while queued reached the tokenizer
+    registered: bool = False  # SGLang: its state entered rid_to_state
     queued_at: float = 0.0
     started_at: float = 0.0
     new_ids: list[int] = field(default_factory=list)
@@ -211,9 +255,24 @@ class SimEngine:
     queued_behind_long: int = 0
     queued_taken_back: Counter[int] = field(default_factory=Counter)  # per version (step - 1): queued calls taken back
     progress_reads: int = 0
+    # SGLang: echoes of an abort while queued handled by the tokenizer, those of calls the client had cancelled (the
+    # echo that killed 0.5.12 when the state went first), and aborts our fix's reaper sent.
+    abort_echoes: int = 0
+    echoes_after_cancel: int = 0
+    # Speculative servers: engine steps that appended more than one token, returned runs holding an EOS before their
+    # last token, and tokens the finish mapper's cut dropped (after an EOS, or past the call's max_new_tokens).
+    spec_runs: int = 0
+    eos_inside_run: int = 0
+    tokens_cut: int = 0
     never: asyncio.Future[None] | None = None
+    _taking_back: bool = False
     open: Counter[str] = field(default_factory=Counter)
     reopened: dict[str, asyncio.Task[None]] = field(default_factory=dict)  # per server: its last (chained) resume
+
+    def __post_init__(self) -> None:
+        for server in self.servers_:
+            if server.engine == "sglang":
+                server.tokenizer_manager = SimTokenizerManager(functools.partial(self._scheduler_abort, server))
 
     @property
     def servers(self) -> list[str]:
@@ -283,22 +342,32 @@ class SimEngine:
                 dead = True
                 continue
             self.taken_back.setdefault(request.request_id, self.now())
-            held = [c for c in (*server.waiting, *server.running) if not c.abort]
-            if server.engine == "vllm":
-                matched = [c for c in held if c.request.request_id == request.request_id]
-            else:
-                matched = [c for c in held if c.request.request_id.startswith(request.request_id)]
-            for call in matched:
-                if call.state == "queued":
-                    self.queued_taken_back[self.version] += 1
-                if call.request.request_id != request.request_id:
-                    self.violations.append(
-                        f"abort_request({request.request_id!r}) prefix-matched another call "
-                        f"{call.request.request_id!r} on {server.name}"
-                    )
-                self._abort(server, call)
+            self._taking_back = True
+            try:
+                if server.tokenizer_manager is not None:  # our take_back_requests: abort_request(rid) per id held
+                    server.tokenizer_manager.abort_request(request.request_id)
+                else:
+                    self._scheduler_abort(server, request.request_id)
+            finally:
+                self._taking_back = False
         if dead:
             await self._hang()
+
+    def _scheduler_abort(self, server: SimServer, rid: str) -> None:
+        """The engine's per-request abort: vLLM by exact id, SGLang's scheduler by prefix."""
+        held = [c for c in (*server.waiting, *server.running) if not c.abort]
+        if server.engine == "vllm":
+            matched = [c for c in held if c.request.request_id == rid]
+        else:
+            matched = [c for c in held if c.request.request_id.startswith(rid)]
+        for call in matched:
+            if call.state == "queued" and self._taking_back:
+                self.queued_taken_back[self.version] += 1
+            if call.request.request_id != rid:
+                self.violations.append(
+                    f"abort_request({rid!r}) prefix-matched another call {call.request.request_id!r} on {server.name}"
+                )
+            self._abort(server, call)
 
     async def cancel(self, requests: list[SegmentRequest]) -> None:
         """Ray cancel: the client gets nothing back. vLLM (and SGLang with our fix) abort the request; SGLang
@@ -318,13 +387,19 @@ class SimEngine:
                 call.future.set_exception(CallCancelled(f"{request.request_id} cancelled"))
             else:
                 call.future.set_result(self._result(call, [], "abort"))
+            if server.engine == "sglang" and server.cancel_aborts:
+                # Our server fix's CancelledError handler, the real one: a state never dispatched goes at once, a
+                # dispatched one is aborted and kept (a reaper re-sends the abort) until SGLang answered it.
+                _cancel(server, request.request_id)
             if call.state in ("transit", "parked"):
                 if call.state == "parked" and server.engine == "sglang" and not server.cancel_aborts:
                     self.leaked_states += 1  # cancelled at is_pause_cond: its state stays in the tokenizer manager
                 if call.task is not None:
                     call.task.cancel()
-            elif server.engine == "vllm" or server.cancel_aborts:
+            elif server.engine == "vllm":
                 self._abort(server, call)
+            elif server.cancel_aborts:
+                pass  # aborted by _cancel above
             else:
                 call.zombie = True  # SGLang: no CancelledError handler, no abort sent
         if dead:
@@ -409,8 +484,37 @@ class SimEngine:
         if call.state == "queued":
             server.waiting.remove(call)
             call.state = "aborted_queued"
+            if server.tokenizer_manager is not None:
+                # scheduler.py@0.5.12:3574: a request popped from the waiting queue is echoed to the tokenizer, whose
+                # handler runs later, in its own loop (the scheduler is another process).
+                asyncio.get_running_loop().call_soon(self._abort_echo, server, call)
         call.wake.set()
         server.poke()  # a decode step waiting on a wedged batch re-checks its abort
+
+    def _abort_echo(self, server: SimServer, call: SimCall) -> None:
+        """``TokenizerManager._handle_abort_req`` (tokenizer_manager.py@0.5.12:2417-2421): no guard, no delete. A
+        state deleted before the echo raises KeyError there, which kills SGLang's process tree: a violation."""
+        rid = call.request.request_id
+        self.abort_echoes += 1
+        self.echoes_after_cancel += call.cancelled
+        try:
+            state = server.tokenizer_manager.rid_to_state[rid]
+        except KeyError:
+            self.violations.append(f"{rid}: SGLang's abort echo found no state (KeyError: the server dies)")
+        else:
+            state.finished = True
+            state.event.set()
+        call.echoed = True
+        call.wake.set()
+
+    def _scheduler_output(self, server: SimServer, call: SimCall) -> None:
+        """A request the scheduler ended reaching the tokenizer (tokenizer_manager.py@0.5.12:1671, 1871): its state,
+        if still there, is finished and deleted."""
+        tm = server.tokenizer_manager
+        state = None if tm is None else tm.rid_to_state.pop(call.request.request_id, None)
+        if state is not None:
+            state.finished = True
+            state.event.set()
 
     def _ran_long(self, server: SimServer, call: SimCall) -> None:
         """At the end of a running call: count its siblings that waited in the queue ``long_decode_s`` or more."""
@@ -442,6 +546,8 @@ class SimEngine:
             self._schedule(server)
         if call.future.done():
             return  # cancelled: the client already has its (empty) answer
+        if server.tokenizer_manager is not None and server.cancel_aborts:
+            _forget_answered(server.tokenizer_manager, call.request.request_id)  # our fix's generate, on return
         self.tokens_delivered += len(outcome.new_ids)
         call.future.set_result(outcome)
 
@@ -449,9 +555,14 @@ class SimEngine:
         request = call.request
         await asyncio.sleep(_u(self.seed, "transit", request.request_id) * self.max_transit)
         await self._alive(server)
+        tm = server.tokenizer_manager
         while server.gate_closed or (server.engine == "sglang" and server.paused):
             if server.gate_closed and server.rejecting:
+                if tm is not None and tm.rid_to_state.get(request.request_id) is not None:
+                    del tm.rid_to_state[request.request_id]  # (parked before the gate closed: answered, gone)
                 return self._result(call, [], "abort")  # rejected at the gate, never entered the engine
+            if tm is not None:
+                self._register(tm, call)  # SGLang registers the state before its pause gate
             call.state = "parked"
             await server.next_change()
             await self._alive(server)
@@ -459,20 +570,35 @@ class SimEngine:
         vllm = server.engine == "vllm"
         if vllm:
             server.admitting += 1
+        if tm is not None:
+            self._register(tm, call).dispatched = True
         call.state, call.queued_at = "queued", self.now()
         server.waiting.append(call)
         self._schedule(server)
         try:
-            while call.state == "queued":
+            # SGLang answers an abort while queued with the echo only.
+            while call.state == "queued" or (call.state == "aborted_queued" and tm is not None and not call.echoed):
                 call.wake.clear()
                 await call.wake.wait()
             if call.state == "aborted_queued":
                 return self._result(call, [], "abort")
-            return await self._run(call, server)
+            try:
+                return await self._run(call, server)
+            finally:
+                self._scheduler_output(server, call)
         finally:
             if vllm and not call.first_output:
                 server.admitting -= 1
                 server.poke()
+
+    def _register(self, tm: SimTokenizerManager, call: SimCall) -> SimReqState:
+        rid = call.request.request_id
+        if rid not in tm.rid_to_state:
+            if call.registered:
+                self.violations.append(f"{rid}: its SGLang state was deleted before the request ended")
+            tm.rid_to_state[rid] = SimReqState()
+            call.registered = True
+        return tm.rid_to_state[rid]
 
     async def _alive(self, server: SimServer) -> None:
         if server.dead(self.now()):
@@ -515,20 +641,38 @@ class SimEngine:
             if max_new <= 0:
                 return self._result(call, [], "length" if server.engine == "sglang" else "completed")
         latency = server.token_latency * (20 if draw > 1 - self.slow_rate else 1)
-        for position in range(start, start + max_new):
+        while True:
             await self._decode_step(call, server, latency)
             if call.abort and server.engine == "vllm":
                 return self._result(call, call.new_ids, "abort")  # vLLM: nothing after the abort
-            token = expected[position] if position < len(expected) else token_at(call.key, request.ref.index, position)
-            self._emit(call, server, token)
-            # SGLang's check_finished: abort (this was the one more token), then length, then EOS.
+            # One engine step: one token, or a speculative run of accepted tokens (its length a pure function too).
+            run = 1 + _h(self.seed, "run", request.request_id, len(call.new_ids)) % server.spec_run
+            self.spec_runs += run > 1
+            if server.engine == "vllm":
+                # vLLM 0.24's scheduler appends a run token by token, checks stop (EOS, max_tokens) after each and
+                # drops the rest of the run: it reports "completed" for both.
+                for _ in range(run):
+                    token = self._token_at(call, expected, start + len(call.new_ids))
+                    self._emit(call, server, token)
+                    if token == EOS or len(call.new_ids) >= max_new:
+                        return self._result(call, call.new_ids, "completed")
+                continue
+            # SGLang 0.5.12 appends the whole run (scheduler_output_processor_mixin.py 552-564), then check_finished:
+            # abort (the step after it: the whole run is returned), length (the output cut at max_new_tokens,
+            # ``finished_len``), EOS among the run's tokens (cut after the first).
+            run_start = len(call.new_ids)
+            for _ in range(run):
+                self._emit(call, server, self._token_at(call, expected, start + len(call.new_ids)))
             if call.abort:
                 return self._result(call, call.new_ids, "abort")
             if len(call.new_ids) >= max_new:
-                break
-            if token == EOS:
-                return self._result(call, call.new_ids, "stop" if server.engine == "sglang" else "completed")
-        return self._result(call, call.new_ids, "length" if server.engine == "sglang" else "completed")
+                return self._result(call, call.new_ids[:max_new], "length")
+            if EOS in call.new_ids[run_start:]:
+                return self._result(call, call.new_ids[: call.new_ids.index(EOS, run_start) + 1], "stop")
+
+    def _token_at(self, call: SimCall, expected: tuple[int, ...], position: int) -> int:
+        """The model's token at ``position``; past its EOS, what a run decoded on would hold (pure as well)."""
+        return expected[position] if position < len(expected) else token_at(call.key, call.request.ref.index, position)
 
     async def _decode_step(self, call: SimCall, server: SimServer, latency: float) -> None:
         """The time of one token of this call. An abort cuts it short: vLLM drops the request at once, SGLang
@@ -574,15 +718,18 @@ class SimEngine:
                 self.tricky[f"{raw}_on_eos"] += 1
             elif raw == "abort" and len(new_ids) == call.request.max_new_tokens:
                 self.tricky["abort_on_last_allowed"] += 1
-        end = FINISH_MAPPERS[server.engine](raw, new_ids, call.request.max_new_tokens, {EOS})
-        new_ids, finish = list(end.cut(new_ids)), end.finish
+        if EOS in new_ids[:-1]:
+            self.eos_inside_run += 1
+        # What verl's server returns (token ids, their log-probs, the engine's stop reason), through the real mapper
+        # and cut, as the glue's ``_generate`` does.
         start = len(call.prefix)
+        log_probs = [log_prob_at(start + i, self.version) for i in range(len(new_ids))]
+        end = FINISH_MAPPERS[server.engine](raw, new_ids, call.request.max_new_tokens, {EOS})
+        self.tokens_cut += len(new_ids) - end.keep
         return SegmentResult(
-            new_ids=np.asarray(new_ids, dtype=np.int32),
-            new_log_probs=np.asarray(
-                [log_prob_at(start + i, self.version) for i in range(len(new_ids))], dtype=np.float32
-            ),
-            finish=finish,
+            new_ids=np.asarray(end.cut(new_ids), dtype=np.int32),
+            new_log_probs=np.asarray(end.cut(log_probs), dtype=np.float32),
+            finish=end.finish,
             server=server.name,
             server_version=self.version,
             prompt_ids=np.asarray([_h(call.key) % 97], dtype=np.int32),

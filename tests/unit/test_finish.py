@@ -178,3 +178,13 @@ def test_an_eos_inside_a_speculative_run_ends_the_answer_there(mapper, reason, m
     assert list(end.cut([-0.1, -0.2, -0.3, -0.4])) == [-0.1, -0.2]
     # The FIRST EOS ends it, not the last.
     assert mapper(reason, [151645, 5, 151643], max_tokens, EOS_IDS).keep == 1
+
+
+def test_an_sglang_abort_run_past_max_tokens_is_cut_at_max_tokens():
+    """At an abort SGLang 0.5.12 returns the whole accepted speculative run (``finished_len`` caps a length finish
+    only), which can pass the call's max_new_tokens: the pool refused such a segment as over its budget."""
+    end = from_sglang("abort", [5, 6, 7, 8, 9], 3, EOS_IDS)
+    assert (end.finish, end.keep, list(end.cut([5, 6, 7, 8, 9]))) == (Finish.LENGTH, 3, [5, 6, 7])
+    # An EOS past max_tokens is past the budget too: the answer did not end within it.
+    assert from_sglang("abort", [5, 6, 7, 151643], 3, EOS_IDS) == end
+    assert from_sglang("abort", [5, 151643, 7, 8], 3, EOS_IDS).keep == 2

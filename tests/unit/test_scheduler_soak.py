@@ -20,8 +20,21 @@ that decode for several ``request_timeout_s``, groups of 2-4, no injected fault.
 being long, so ``failed_groups`` and ``stalled_calls`` must be 0 too, and ``queued_behind_long`` (calls that waited
 in the queue for ``request_timeout_s`` or more behind a call of their own group) shows the condition happened.
 
-CI runs ``VERL_PARTIAL_SOAK`` schedules per profile (default 100, ~20 s each). The full soak (issue 19 asks >= 10,000
-per profile; minutes of CPU, so under the shared lock)::
+The ``*-spec`` profiles (issue 26, item 5) run speculative servers: an engine step appends a run of up to 2-6 tokens,
+then vLLM checks stop per token and drops the rest, SGLang checks abort, length, EOS once, so its runs can hold an
+EOS followed by tokens and, at an abort, pass ``max_new_tokens``. The double maps every raw answer with the real
+finish mapper and ``SegmentEnd.cut``, as the glue does; tokens are pure functions of their position, so a token kept
+after an EOS fails ``check_groups`` and a resume after one is a violation. ``spec_runs`` > 0 on both,
+``eos_inside_run`` and ``tokens_cut`` > 0 on ``sglang-spec`` (vLLM never returns such a run).
+
+SGLang's abort echo: the scheduler echoes each abort of a queued request to the tokenizer, whose handler indexes
+``rid_to_state`` unguarded; the double models that table and runs our server fix's own ``_cancel``, and a KeyError in
+the echo is a violation. ``abort_echoes`` > 0 on every SGLang profile; ``sglang-echo`` (our fix on, calls long in
+transit, a late parking pause, one slot) makes the client cancel calls the scheduler holds queued, so
+``echoes_after_cancel`` (the echo that killed 0.5.12 when our cancel dropped the state first) > 0.
+
+CI runs ``VERL_PARTIAL_SOAK`` schedules per profile (default 100, ``sglang-echo`` 50: ~3-8 s each on 2 cores). The
+full soak (issue 19 asks >= 10,000 per profile; minutes of CPU, so under the shared lock)::
 
     VERL_PARTIAL_SOAK=10000 pytest tests/unit/test_scheduler_soak.py -q -s
 
@@ -46,9 +59,12 @@ from verl_partial.config.partial import PartialConfig
 from verl_partial.core.partial.scheduler import OutOfPrompts
 from verl_partial.sim.clock import BusyLoop, run_virtual
 
-# Engine semantics, and conditions drawn on top of them ("-long": a long answer with queued siblings). A new condition
-# (speculative runs, SGLang's abort echo) is one more profile here and one more branch in ``random_schedule``.
-PROFILES = ("vllm", "sglang", "vllm-long", "sglang-long")
+# Engine semantics, and conditions drawn on top of them ("-long": a long answer with queued siblings; "-spec":
+# speculative runs). SGLang's abort echo happens on every SGLang profile. A new condition is one more profile here and
+# one more branch in ``random_schedule``.
+PROFILES = ("vllm", "sglang", "vllm-long", "sglang-long", "vllm-spec", "sglang-spec", "sglang-echo")
+# CI's default schedules per profile where not 100: sglang-echo's schedules are the slowest (~0.15 s each).
+CI_COUNT = {"sglang-echo": 50}
 LONG_TIMEOUT_S = 0.5  # request_timeout_s of the "-long" profiles: their answers take up to 48 x 0.05 s
 
 
@@ -63,6 +79,7 @@ class ServerDraw:
     max_num_seqs: int
     cancel_aborts: bool
     pause_delay_s: float
+    spec_run: int = 1
 
     def build(self, name: str) -> SimServer:
         return SimServer(name, **{f.name: getattr(self, f.name) for f in fields(self)})
@@ -113,15 +130,19 @@ def random_config(rng: random.Random, batch: int) -> PartialConfig:
 def random_schedule(seed: int, profile: str) -> Schedule:
     if profile.endswith("-long"):
         return long_answer_schedule(seed, profile)
+    if profile == "sglang-echo":
+        return abort_echo_schedule(seed)
     rng = random.Random(f"{profile}/{seed}")
-    # Its own stream, so adding it kept every other draw of a seed as it was.
+    # Their own streams, so adding them kept every other draw of a seed as it was.
     pauses = random.Random(f"{profile}/{seed}/pause_delay_s")
+    spec = random.Random(f"{profile}/{seed}/spec_run")
+    engine = profile.removesuffix("-spec").removesuffix("-echo/base")
     steps, batch = rng.randint(1, 6), rng.randint(1, 4)
-    sglang = profile == "sglang"
+    sglang = engine == "sglang"
     cancel_aborts = sglang and rng.random() < 0.5  # SGLang with or without our server fix
     servers = tuple(
         ServerDraw(
-            engine=profile,
+            engine=engine,
             token_latency=rng.choice([0.001, 0.01, 0.05]),
             # Server 0 never dies nor wedges (else no step could finish); the others may.
             dies_at=rng.uniform(0, 20) if i and rng.random() < 0.2 else float("inf"),
@@ -131,6 +152,8 @@ def random_schedule(seed: int, profile: str) -> Schedule:
             # Late pauses: an abort returning after the step end; beyond TRAIN_S (30 s), after the next step started.
             # Server 0 reopens in time, so every step has a server to run on.
             pause_delay_s=pauses.choice([0.0, 0.0, 0.0, 0.1, 1.0] + ([40.0] if i else [])),
+            # Speculative decoding: up to 2-6 tokens per engine step.
+            spec_run=spec.choice([2, 3, 4, 6]) if profile.endswith("-spec") else 1,
         )
         for i in range(rng.randint(1, 4))
     )
@@ -151,6 +174,17 @@ def random_schedule(seed: int, profile: str) -> Schedule:
         cancel_raises=rng.random() < 0.5,
         restore_at=frozenset(rng.sample(range(2, steps + 1), k=min(steps - 1, rng.randint(0, 2)))),
     )
+
+
+def abort_echo_schedule(seed: int) -> Schedule:
+    """SGLang with our server fix, cancelling calls its scheduler holds in the queue: calls long in transit, taken
+    back before they arrive, then cancelled once the step's abort went out; the abort parks rather than rejects and
+    lands late, and one or two slots keep arrivals queued. The scheduler echoes each queued abort to the tokenizer,
+    whose handler indexes the state our cancel must keep until then."""
+    s = random_schedule(seed, "sglang-echo/base")
+    servers = tuple(replace(server, cancel_aborts=True, max_num_seqs=1, pause_delay_s=2.0) for server in s.servers)
+    config = replace(s.config, abort_on_done=True, abort_grace_s=0.2)
+    return replace(s, profile="sglang-echo", config=config, servers=servers, max_transit=1.0, reject_request=False)
 
 
 def long_answer_schedule(seed: int, profile: str) -> Schedule:
@@ -217,6 +251,11 @@ class SoakFigures:
     zombie_tokens: int = 0  # decoded by cancelled SGLang requests without our server fix
     leaked_states: int = 0  # SGLang requests cancelled at its pause gate without our server fix
     restores: int = 0
+    abort_echoes: int = 0  # SGLang: echoes of an abort while queued, handled by the tokenizer
+    echoes_after_cancel: int = 0  # of those, for calls cancelled by the client (our fix keeps their state for it)
+    spec_runs: int = 0  # engine steps that appended more than one token
+    eos_inside_run: int = 0  # returned runs holding an EOS before their last token
+    tokens_cut: int = 0  # tokens the finish mapper's cut dropped (after an EOS, past max_new_tokens)
 
 
 def run_schedule(s: Schedule, figures: SoakFigures) -> SimEngine:
@@ -289,13 +328,15 @@ def run_schedule(s: Schedule, figures: SoakFigures) -> SimEngine:
     figures.zombie_tokens += engine.zombie_tokens
     figures.leaked_states += engine.leaked_states
     figures.queued_behind_long += engine.queued_behind_long
+    for name in ("abort_echoes", "echoes_after_cancel", "spec_runs", "eos_inside_run", "tokens_cut"):
+        setattr(figures, name, getattr(figures, name) + getattr(engine, name))
     return engine
 
 
 @pytest.mark.parametrize("profile", PROFILES)
 def test_soak_random_schedules(profile):
     """0 lost, 0 duplicated, 0 stalls, 0 busy loops over ``VERL_PARTIAL_SOAK`` random schedules (CI: 100)."""
-    count = int(os.environ.get("VERL_PARTIAL_SOAK", "100"))
+    count = int(os.environ.get("VERL_PARTIAL_SOAK", CI_COUNT.get(profile, 100)))
     first = int(os.environ.get("VERL_PARTIAL_SOAK_FIRST_SEED", "0"))
     figures = SoakFigures()
     broken: list[str] = []  # schedules whose run broke an invariant ``simulate`` checks: seed and first line
@@ -318,6 +359,15 @@ def test_soak_random_schedules(profile):
         # The condition happened, and no group was dropped for being long: nothing else can fail here.
         assert figures.queued_behind_long > 0 and figures.progress_reads > 0, figures
         assert (figures.failed_groups, figures.stalled_calls, figures.out_of_prompts) == (0, 0, 0), figures
+    if profile.startswith("sglang"):
+        assert figures.abort_echoes > 0, figures  # a KeyError in the echo's handler is a violation, above
+    if profile == "sglang-echo":
+        assert figures.echoes_after_cancel > 0, figures
+    if profile.endswith("-spec"):
+        assert figures.spec_runs > 0, figures
+    if profile == "sglang-spec":
+        # vLLM's scheduler drops a run's tokens after its stop (check_stop per token): only SGLang returns them.
+        assert figures.eos_inside_run > 0 and figures.tokens_cut > 0, figures
 
 
 # ------------------------------------------------------------------------------------------- the watchdog

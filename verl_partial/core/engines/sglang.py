@@ -21,10 +21,12 @@ def from_sglang(
     segment's last allowed token is reported "length" (issue 19, failure 3). With speculative decoding the whole
     accepted run is appended before those tests, so an EOS can sit inside the run, followed by tokens (issue 26,
     finding 6; 0.5.23 fixed the length case, not the abort case). Hence the first EOS decides first (and cuts the
-    run there), then the budget, then the reason.
+    run there), then the budget, then the reason. At an abort the whole run is returned (``finished_len`` is cut to
+    ``max_new_tokens`` for a length finish only), so it can pass ``max_tokens``: what lies past it is cut too.
     """
     if stop_reason not in ("stop", "length", "abort"):
         raise ValueError(f"unknown SGLang stop_reason {stop_reason!r}; SGLang reports 'stop', 'length' or 'abort'")
+    token_ids = token_ids[:max_tokens]
     eos_end = answer_length(token_ids, eos_ids)
     if eos_end is not None:
         return SegmentEnd(Finish.EOS, eos_end)
