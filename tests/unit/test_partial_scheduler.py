@@ -36,9 +36,10 @@ from sim_engine import (
 
 from verl_partial.config.partial import PartialConfig
 from verl_partial.core.partial.finish import Finish
+from verl_partial.core.partial.group_filter import GroupFilter
 from verl_partial.core.partial.pool import RolloutPool, SegmentResult, length_bias_metrics
 from verl_partial.core.partial.routing import Router
-from verl_partial.core.partial.scheduler import FAILURES_LOGGED_PER_STEP, OutOfPrompts, run_step
+from verl_partial.core.partial.scheduler import FAILURES_LOGGED_PER_STEP, GroupScorer, OutOfPrompts, run_step
 
 TRAIN_S = 30.0  # virtual seconds of "training" between steps: gates are open, nothing may generate
 WATCHDOG_S = 30.0  # real seconds without an event-loop iteration: the driver spins (a busy loop)
@@ -90,13 +91,16 @@ def simulate(
     engine: SimEngine | None = None,
     prompts: int | None = None,
     restore_at: frozenset[int] = frozenset(),
+    group_filter: GroupFilter | None = None,
+    scorer: GroupScorer | None = None,
 ) -> Run:
     """Run ``steps`` training steps; after each, check that nothing is left generating, then "train" for
     ``TRAIN_S`` virtual seconds with the gates open and check that nothing generated meanwhile."""
     keys = [f"p{i}" for i in range(prompts if prompts is not None else batch * steps + config.extra_groups + 64)]
     source = ListSource(keys)
     engine = engine or make_engine(seed, response_length)
-    pool: RolloutPool = RolloutPool(config, group_size=n, batch_groups=batch, response_length=response_length)
+    shape = dict(group_size=n, batch_groups=batch, response_length=response_length, group_filter=group_filter)
+    pool: RolloutPool = RolloutPool(config, **shape)
     run = Run([], pool, engine, source, [], [])
 
     async def main() -> None:
@@ -106,18 +110,22 @@ def simulate(
                 # A crash after the checkpoint of step - 1: rebuild from serialised state only.
                 state = pickle.loads(pickle.dumps((pool.state_dict(), source.position)))
                 ledger = pool.events  # the glue writes events to a ledger file each step; it survives the crash
-                pool = RolloutPool(config, group_size=n, batch_groups=batch, response_length=response_length)
+                pool = RolloutPool(config, **shape)
                 pool.load_state_dict(state[0])
                 pool.events = ledger
                 source.position = state[1]
             engine.version = step - 1
-            stepping = run_step(pool, engine, source, step=step, version=step - 1, server_version=step - 1)
+            stepping = run_step(
+                pool, engine, source, step=step, version=step - 1, server_version=step - 1, scorer=scorer
+            )
             try:
                 result = await asyncio.wait_for(stepping, STALL_S)
             except asyncio.TimeoutError:
                 raise StepStalled(f"step {step} did not end within {STALL_S:.0f} virtual seconds") from None
             assert pool.ready_groups() == [
-                g for g in sorted(pool.groups.values(), key=lambda g: g.group_id) if g.finished
+                g
+                for g in sorted(pool.groups.values(), key=lambda g: g.group_id)
+                if g.finished and (group_filter is None or g.scores is not None)
             ]
             assert not engine.violations, engine.violations
             assert not engine.generating(), "a call is still generating after the step returned"
@@ -176,12 +184,11 @@ def check_ledger(run: Run, batch: int, extra_groups: int) -> None:
     assert len(keys) == len(set(keys)), "a group was trained twice"
     drawn = run.source.keys[: run.source.position]
     in_flight = [group.key for group in run.pool.groups.values()]
-    out = [key for event, key in run.pool.events if event in ("dropped", "failed")]
+    out = [key for event, key in run.pool.events if event in ("dropped", "failed", "filtered")]
     assert sorted(keys + in_flight + out) == sorted(drawn), "a prompt was lost"
     totals = run.pool.totals
-    assert totals.admitted_groups == totals.trained_groups + totals.dropped_groups + totals.failed_groups + len(
-        in_flight
-    )
+    left = totals.dropped_groups + totals.failed_groups + totals.filtered_groups
+    assert totals.admitted_groups == totals.trained_groups + left + len(in_flight)
     assert run.metrics[-1]["partial/total/trained_groups"] == len(keys)
     assert len(run.pool.groups) <= batch + extra_groups  # invariant 12: bounded parked state
 

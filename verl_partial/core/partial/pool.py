@@ -29,6 +29,7 @@ import numpy as np
 
 from verl_partial.config.partial import PartialConfig
 from verl_partial.core.partial.finish import Finish, finished
+from verl_partial.core.partial.group_filter import GroupFilter, SampleScore
 
 P = TypeVar("P")
 
@@ -133,6 +134,9 @@ class GroupState(Generic[P]):
     prompt_ids: np.ndarray | None = None
     # The step in which the group was admitted (``partial/group_wait_steps``).
     admitted_step: int = 0
+    # With a group filter (``algorithm.filter_groups``): each sample's reward once the finished group was judged and
+    # passed (a group that fails leaves the pool); the hand-over reuses it. Cleared when a sample restarts.
+    scores: list[SampleScore] | None = None
 
     @property
     def finished(self) -> bool:
@@ -204,6 +208,9 @@ class Counters:
     control_timeouts: int = 0
     budget_rounds: int = 0
     route_changes: int = 0
+    judged_groups: int = 0  # finished groups whose rewards the group filter read
+    filtered_groups: int = 0  # judged groups whose rewards did not vary: taken out, never trained
+    filtered_tokens: int = 0
 
 
 def check_carry_fits(config: PartialConfig, batch_groups: int) -> None:
@@ -228,6 +235,7 @@ class RolloutPool(Generic[P]):
         batch_groups: int,
         response_length: int,
         priority: Callable[[GroupState[P], SampleState], float] | None = None,
+        group_filter: GroupFilter | None = None,
     ) -> None:
         if group_size < 1 or batch_groups < 1 or response_length < 1:
             raise ValueError(
@@ -252,6 +260,10 @@ class RolloutPool(Generic[P]):
         # the scheduler) and ``step_done`` do not rescan every sample: at 512 x 16 that rescan was a third of the
         # scheduler's driver time.
         self._finished: set[int] = set()
+        # With ``group_filter``: a finished group is ready (in ``_finished``) only once judged and passed; until then
+        # it waits here for its rewards (``judge``).
+        self.group_filter = group_filter
+        self._unjudged: set[int] = set()
         # The runnable samples (``_is_runnable``), kept in step with every change to a sample, so that a launch costs
         # O(samples it launches) instead of a scan of every sample: with max_calls_per_server binding, every answer
         # frees one slot and launches one sample, and at 512 x 16 that full scan (and sort) per launch was ~95% of
@@ -329,7 +341,7 @@ class RolloutPool(Generic[P]):
                 # The prefix cache does not survive a step end: no stickiness across steps.
                 sample.last_server = None
             self._enforce_staleness(group)
-        self._finished = {group.group_id for group in self.groups.values() if group.finished}
+        self._sort_finished()
         self._reindex()  # budgets were reset and stale samples restarted: once per step, a full rebuild is cheap
 
     def _enforce_staleness(self, group: GroupState[P]) -> None:
@@ -346,6 +358,7 @@ class RolloutPool(Generic[P]):
         for sample in stale:
             thrown = sample.discard_tokens()
             self.count(tokens_discarded=thrown, restarted_samples=1)
+        group.scores = None  # its samples change: judged again once finished
 
     @staticmethod
     def _lag(sample: SampleState, version: int) -> int:
@@ -366,6 +379,7 @@ class RolloutPool(Generic[P]):
         self.count(tokens_discarded=thrown, **{f"{reason}_groups": 1})
         del self.groups[group.group_id]
         self._finished.discard(group.group_id)
+        self._unjudged.discard(group.group_id)
         self._unindex(group.group_id)
         self.events.append((reason, group.key))
 
@@ -528,7 +542,7 @@ class RolloutPool(Generic[P]):
         if sample.finished:
             self.finished_lengths.append(len(sample.token_ids))
             if group.finished:
-                self._finished.add(group.group_id)
+                (self._finished if self.group_filter is None else self._unjudged).add(group.group_id)
         self.server_tokens[result.server] += len(new_ids)
         self.count(tokens_generated=len(new_ids))
 
@@ -555,6 +569,42 @@ class RolloutPool(Generic[P]):
             return True
         return False
 
+    def _sort_finished(self) -> None:
+        """Rebuild the finished sets from the groups (a step start, a checkpoint loaded): under a group filter a
+        finished group is ready once judged (``scores``), else it waits to be judged."""
+        finished = [group for group in self.groups.values() if group.finished]
+        judged = self.group_filter is None
+        self._finished = {group.group_id for group in finished if judged or group.scores is not None}
+        self._unjudged = {group.group_id for group in finished if not judged and group.scores is None}
+
+    def unjudged_groups(self) -> list[GroupState[P]]:
+        """Finished groups waiting for their rewards (always empty without a group filter), oldest first."""
+        return [self.groups[group_id] for group_id in sorted(self._unjudged)]
+
+    def judge(self, group_id: int, scores: list[SampleScore]) -> bool:
+        """Record a finished group's rewards (one per sample). A group whose metric does not vary is taken out and
+        counted (``filtered``); one that passes is ready for training. Returns whether it passed (False also for a
+        group taken out meanwhile). Raises once this step judged ``max_num_gen_batches`` batches without enough
+        passing groups."""
+        if self.group_filter is None:
+            raise RuntimeError("judge() on a pool without a group filter")
+        group = self.groups.get(group_id)
+        if group is None or group_id not in self._unjudged:
+            return False  # taken out, or restarted, while its rewards were computed
+        if len(scores) != len(group.samples):
+            raise ValueError(f"{len(scores)} scores for the {len(group.samples)} samples of group {group.key}")
+        self._unjudged.discard(group_id)
+        self.count(judged_groups=1)
+        passed = self.group_filter.passes(group.key, scores)
+        if passed:
+            group.scores = list(scores)
+            self._finished.add(group_id)
+        else:
+            self.count(filtered_tokens=sum(len(sample.token_ids) for sample in group.samples))
+            self._take_out(group, "filtered")
+        self.group_filter.check_bound(self.counters.judged_groups, len(self._finished), self.batch_groups)
+        return passed
+
     def ready_groups(self) -> list[GroupState[P]]:
         """Finished groups, oldest first."""
         return [self.groups[group_id] for group_id in sorted(self._finished)]
@@ -571,7 +621,10 @@ class RolloutPool(Generic[P]):
             return False
         if self.config.staleness_policy != "wait":
             return True
-        if any(not group.finished and self.must_train_this_step(group) for group in self.groups.values()):
+        # Not ready: unfinished, or (group filter) finished and not judged yet.
+        if any(
+            group.group_id not in self._finished and self.must_train_this_step(group) for group in self.groups.values()
+        ):
             return False
         if len(self.groups) <= 2 * self.batch_groups:
             return True  # at most a batch is left after this step's: the next step trains it (the default's case)
@@ -675,6 +728,11 @@ class RolloutPool(Generic[P]):
             "partial/total/dropped_groups": float(self.totals.dropped_groups),
             "partial/total/failed_groups": float(self.totals.failed_groups),
         }
+        if self.group_filter is not None:
+            metrics["partial/filtered_groups"] = float(self.counters.filtered_groups)
+            metrics["partial/filtered_tokens"] = float(self.counters.filtered_tokens)
+            metrics["partial/judged_groups"] = float(self.counters.judged_groups)
+            metrics["partial/total/filtered_groups"] = float(self.totals.filtered_groups)
         for lag, count in sorted(lags.items()):
             metrics[f"partial/staleness/lag_{lag}_fraction"] = count / trained_tokens
         metrics.update(
@@ -722,7 +780,7 @@ class RolloutPool(Generic[P]):
             samples = [SampleState(**sample) for sample in raw["samples"]]
             group = GroupState(**{**raw, "samples": samples})
             self.groups[group.group_id] = group
-        self._finished = {group.group_id for group in self.groups.values() if group.finished}
+        self._sort_finished()
         self.next_group_id = state["next_group_id"]
         self.version = state["version"]
         self.step = state["step"]

@@ -44,6 +44,10 @@ engine to produce a first output, and SGLang keeps decoding a request whose call
 * **Retries.** Any result with tokens or a finish resets the sample's failure count; a group is taken out only
   after ``max_retries`` retries of one sample failed in a row. Its other calls are taken back; what they return is
   counted in ``partial/tokens_discarded``.
+* **Group filter** (``algorithm.filter_groups``, :mod:`verl_partial.core.partial.group_filter`). A finished group
+  counts towards the step only once judged: the groups that finished are scored together by the ``GroupScorer``
+  (verl's reward loop) while generation goes on; a group whose rewards do not vary leaves the pool, freeing its slot
+  for a new prompt. Scoring still out at the step end is awaited, so no judged group is lost.
 * **No busy loop.** Every turn of the step loop awaits an answer or a timer, or raises.
 """
 
@@ -58,10 +62,12 @@ from enum import Enum
 from typing import Generic, Protocol, TypeVar
 
 from verl_partial.core.partial.finish import Finish
+from verl_partial.core.partial.group_filter import SampleScore
 from verl_partial.core.partial.pool import GroupState, RolloutPool, SampleRef, SegmentRequest, SegmentResult
 from verl_partial.core.partial.routing import Router
 
 __all__ = [
+    "GroupScorer",
     "OutOfPrompts",
     "PromptSource",
     "SegmentBackend",
@@ -122,6 +128,11 @@ class SegmentBackend(Protocol[P]):
         server: the scheduler stops waiting after ``abort_grace_s``."""
 
 
+class GroupScorer(Protocol[P]):
+    async def score(self, groups: list[GroupState[P]]) -> list[list[SampleScore]]:
+        """Each finished group's reward, one per sample, in order (the glue: verl's reward loop on the workers)."""
+
+
 class PromptSource(Protocol[P]):
     def next_prompt(self) -> tuple[P, str] | None:
         """The next prompt and its unique key, or None when the source is exhausted."""
@@ -175,9 +186,19 @@ class _Step(Generic[P]):
     """The state of one ``run_step``; methods are the rules listed in the module docstring."""
 
     def __init__(
-        self, pool: RolloutPool[P], backend: SegmentBackend[P], source: PromptSource[P], servers: list[str]
+        self,
+        pool: RolloutPool[P],
+        backend: SegmentBackend[P],
+        source: PromptSource[P],
+        servers: list[str],
+        scorer: GroupScorer[P] | None = None,
     ) -> None:
         self.pool, self.backend, self.source = pool, backend, source
+        if pool.group_filter is not None and scorer is None:
+            raise ValueError("a pool with a group filter needs a GroupScorer for run_step(scorer=...)")
+        self.scorer = scorer
+        # Scoring calls out (group filter), with the groups each scores; done ones are judged by ``wait``.
+        self.scoring: dict[asyncio.Task[list[list[SampleScore]]], list[GroupState[P]]] = {}
         self.config = pool.config
         self.loop = asyncio.get_running_loop()
         self.router = Router(servers, self.config.max_calls_per_server)
@@ -245,6 +266,30 @@ class _Step(Generic[P]):
             self.calls[future] = _Call(group, request, future, tokens)
             self.active[request.server] += 1
             future.add_done_callback(self.answer)
+
+    def score(self) -> None:
+        """Send every finished group not judged yet and not being scored to the scorer, in one call."""
+        if self.scorer is None:
+            return
+        scoring = {group.group_id for groups in self.scoring.values() for group in groups}
+        groups = [group for group in self.pool.unjudged_groups() if group.group_id not in scoring]
+        if not groups:
+            return
+        task = self.loop.create_task(self.scorer.score(groups))  # type: ignore[arg-type]
+        task.add_done_callback(lambda _: self.answer_arrived.set())
+        self.scoring[task] = groups
+
+    def judge_scored(self) -> None:
+        """Judge the groups of every scoring call that returned; a scoring error ends the step."""
+        for task in [task for task in self.scoring if task.done()]:
+            groups = self.scoring.pop(task)
+            scores = task.result()
+            if len(scores) != len(groups):
+                raise RuntimeError(f"the scorer returned {len(scores)} results for {len(groups)} groups")
+            for group, group_scores in zip(groups, scores, strict=True):
+                self.pool.judge(group.group_id, group_scores)
+            # Passed groups may end the step; filtered ones free slots for new prompts.
+            self.maybe_done = self.launch_needed = True
 
     def answer(self, future: asyncio.Future[SegmentResult]) -> None:
         self.answers.append(future)
@@ -462,7 +507,7 @@ class _Step(Generic[P]):
             deadline = end if deadline is None else min(deadline, end)
         wait_for = None if deadline is None else max(0.0, deadline - self.loop.time())
         timed_out = False
-        if not self.answers:
+        if not self.answers and not any(task.done() for task in self.scoring):
             self.answer_arrived.clear()
             try:
                 await asyncio.wait_for(self.answer_arrived.wait(), wait_for)
@@ -474,6 +519,7 @@ class _Step(Generic[P]):
                 self.record(future)
             else:  # an abandoned call's late answer: its sample moved on, so its tokens are thrown away, and counted
                 self.discard_late(future)
+        self.judge_scored()
         # Woken by the deadline: it is due, even if the clock reads a rounding step short of it (a deadline one
         # float ulp ahead of the clock would otherwise be re-armed forever with a zero timeout).
         now = self.loop.time()
@@ -485,7 +531,14 @@ class _Step(Generic[P]):
     # ------------------------------------------------------------ step end
     async def end(self) -> None:
         """The step-end protocol (module docstring): nothing is left generating, nothing waits on queued requests or
-        timeouts; :meth:`reopen` then resumes the servers aborted here."""
+        timeouts; :meth:`reopen` then resumes the servers aborted here. Scoring still out is awaited and judged."""
+        await self.end_calls()
+        self.score()  # groups that finished in the step end's answers
+        while self.scoring:
+            await asyncio.wait(list(self.scoring))
+            self.judge_scored()
+
+    async def end_calls(self) -> None:
         if not self.calls:
             return
         if not self.config.abort_on_done:
@@ -571,25 +624,28 @@ async def run_step(
     step: int,
     version: int,
     server_version: int | None = None,
+    scorer: GroupScorer[P] | None = None,
 ) -> StepResult[P]:
     """Generate until ``pool.batch_groups`` groups are finished; park the rest; hand those groups over.
 
-    ``server_version``: the ``global_steps`` every server must report (None: not checked). Times come from the
+    ``server_version``: the ``global_steps`` every server must report (None: not checked). ``scorer``: the rewards of
+    finished groups, needed by a pool with a group filter (only passing groups count). Times come from the
     running event loop's clock, so a virtual-time loop drives the same code in tests.
     """
     loop = asyncio.get_running_loop()
     started = loop.time()
     pool.begin_step(step, version, server_version)
-    state = _Step(pool, backend, source, await _open_servers(backend, pool.config.request_timeout_s))
+    state = _Step(pool, backend, source, await _open_servers(backend, pool.config.request_timeout_s), scorer)
     try:
         while True:
             state.fill()
+            state.score()
             if state.maybe_done:
                 state.maybe_done = False
                 if pool.step_done():
                     break
             state.launch()
-            if not state.calls:
+            if not state.calls and not state.scoring:
                 if pool.needs_budget_round(can_admit=not state.source_empty):
                     pool.grant_budget_round()
                     if not pool.has_runnable():
@@ -609,6 +665,9 @@ async def run_step(
         ended = loop.time()
         await state.end()
     finally:
+        for task in state.scoring:  # an error: scoring still out is dropped, its groups stay unjudged
+            task.cancel()
+            _consume(task)
         # On an error, too: no call may outlive the step (cancelled at its server, then forgotten).
         if state.calls:
             state.give_up(list(state.calls.values()), _Why.STEP_END)
