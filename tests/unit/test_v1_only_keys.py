@@ -53,6 +53,8 @@ def test_each_listed_key_is_read_only_by_verls_v1_trainer(key):
 @pytest.mark.parametrize("group", ["partial/default", "backend/cpu"])
 def test_a_v1_only_key_set_with_our_groups_is_refused_naming_it(group, key, value):
     """Before: accepted, and the legacy trainer silently did without (no DAPO filtering, no checkpoint callback)."""
+    if group == "partial/default" and key == "algorithm.filter_groups.enable":
+        pytest.skip("+partial filters groups itself: test_filter_groups_is_honoured_with_partial")
     config = compose(group, **{key.replace(".", "__"): value})
     with pytest.raises(ValueError) as refused:
         validate_root_config(config)
@@ -63,3 +65,32 @@ def test_a_v1_only_key_set_with_our_groups_is_refused_naming_it(group, key, valu
 def test_v1_only_keys_are_left_alone_on_verls_v1_trainer():
     """Without a verl-partial group that moves the job, verl's v1 trainer reads them: nothing to refuse."""
     validate_root_config(compose(algorithm__filter_groups__enable=True, trainer__v1__trainer_mode="colocate_async"))
+
+
+def test_filter_groups_is_honoured_with_partial():
+    """DAPO's dynamic sampling is implemented by +partial's pool (verl_partial.core.partial.group_filter): accepted
+    there, read into the pool's group filter; still refused with +backend alone (nothing would filter)."""
+    from verl_partial.config.job import group_filter_of
+    from verl_partial.core.partial.group_filter import GroupFilter
+
+    config = compose(
+        "partial/default",
+        algorithm__filter_groups__enable=True,
+        algorithm__filter_groups__metric="acc",
+        algorithm__filter_groups__max_num_gen_batches=3,
+    )
+    validate_root_config(config)
+    assert group_filter_of(config) == GroupFilter(metric="acc", max_num_gen_batches=3)
+    assert group_filter_of(compose("partial/default")) is None
+
+
+def test_filter_groups_with_a_colocated_reward_model_is_refused():
+    """The filter needs rewards during generation (verl's reward loop); a colocated reward model scores in fit()."""
+    config = compose(
+        "partial/default",
+        algorithm__filter_groups__enable=True,
+        reward__reward_model__enable=True,
+        reward__reward_model__enable_resource_pool=False,
+    )
+    with pytest.raises(ValueError, match=r"algorithm\.filter_groups\.enable=true.*enable_resource_pool"):
+        validate_root_config(config)

@@ -18,8 +18,9 @@ from omegaconf import DictConfig, OmegaConf
 from verl_partial.config.backend import BackendConfig
 from verl_partial.config.balance import BalanceConfig
 from verl_partial.config.partial import STATE_FILE, PartialConfig
-from verl_partial.config.v1_only_keys import check_v1_only_keys
+from verl_partial.config.v1_only_keys import check_v1_only_keys, filter_groups_enabled
 from verl_partial.core.engines.adapter import check_model_len, finish_mapper
+from verl_partial.core.partial.group_filter import GroupFilter
 from verl_partial.core.partial.pool import check_carry_fits
 
 T = TypeVar("T")
@@ -67,6 +68,15 @@ def partial_config(config: DictConfig) -> PartialConfig | None:
         return None
     parsed = block_to_dataclass(config, "partial", PartialConfig)
     return parsed if parsed.enable else None
+
+
+def group_filter_of(config: DictConfig) -> GroupFilter | None:
+    """``algorithm.filter_groups`` as the pool's group filter, or None when not enabled (checked at start-up by
+    :func:`verl_partial.config.v1_only_keys.check_filter_groups`)."""
+    if not filter_groups_enabled(config):
+        return None
+    block = config.algorithm.filter_groups
+    return GroupFilter(metric=str(block.metric), max_num_gen_batches=int(block.get("max_num_gen_batches", 0) or 0))
 
 
 def balance_config(config: DictConfig) -> BalanceConfig | None:
@@ -250,7 +260,7 @@ def check_trainer_path(config: DictConfig) -> None:
     if not config.trainer.get("use_v1", False):
         ours = [f"+{block}" for block in ("partial", "backend", "balance") if config.get(block) is not None]
         if ours:
-            check_v1_only_keys(config, " and ".join(ours))
+            check_v1_only_keys(config, " and ".join(ours), partial=partial_config(config) is not None)
         return
     reasons = []
     if config.get("backend") is not None:

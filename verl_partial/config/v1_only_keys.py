@@ -4,7 +4,10 @@
 keys below are read by ``verl/trainer/ppo/v1/`` and nowhere else in verl 0.9.1 (grep of the wheel: no reader outside
 ``trainer/ppo/v1/`` and the config schema; ``utils/tracking.py`` only logs a filter_groups table v1 builds). On the
 legacy trainer they would be silently ignored, so a value other than verl's default is refused at start-up, naming
-the key. None is supported under ``+partial`` yet; each reason says what to use instead where there is something.
+the key. Each reason says what to use instead where there is something. ``algorithm.filter_groups`` is the one
+``+partial`` honours itself (its pool filters whole groups at hand-over, :mod:`verl_partial.core.partial.group_filter`):
+it is refused without ``+partial``, and with it only where the rewards are not known before hand-over (a colocated
+reward model scores inside ``fit()``, after the step's groups were chosen).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ class V1OnlyKey:
     key: str
     default: Any
     reason: str
+    # ``+partial`` implements it on the legacy trainer (then :func:`check_filter_groups` decides).
+    partial_honours: bool = False
 
 
 V1_ONLY_KEYS: tuple[V1OnlyKey, ...] = (
@@ -34,7 +39,8 @@ V1_ONLY_KEYS: tuple[V1OnlyKey, ...] = (
         False,
         "DAPO's dynamic sampling (drop groups whose rewards do not vary, keep drawing) lives only in v1's replay "
         "buffer (trainer/ppo/v1/replay_buffer.py, trainer_base.py 173-189 and 728); the legacy trainer never filters. "
-        "Not supported with +partial yet",
+        "Add +partial=<preset>, whose pool filters whole groups itself",
+        partial_honours=True,
     ),
     V1OnlyKey(
         "trainer.checkpoint_callback_class",
@@ -85,11 +91,39 @@ def _value(config: DictConfig, key: str) -> Any:
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
-def check_v1_only_keys(config: DictConfig, groups: str) -> None:
+def filter_groups_enabled(config: DictConfig) -> bool:
+    return bool(OmegaConf.select(config, "algorithm.filter_groups.enable", default=False))
+
+
+def check_filter_groups(config: DictConfig) -> None:
+    """``algorithm.filter_groups`` under ``+partial``: groups are judged on rewards computed during generation by
+    verl's reward loop (as v1 requires too), so a reward model colocated with the actor is refused, and so is a
+    metric left empty."""
+    if not filter_groups_enabled(config):
+        return
+    metric = OmegaConf.select(config, "algorithm.filter_groups.metric", default=None)
+    if not metric:
+        raise ValueError("algorithm.filter_groups.metric must be set when algorithm.filter_groups.enable=true")
+    enable_rm = bool(OmegaConf.select(config, "reward.reward_model.enable", default=False))
+    own_pool = bool(OmegaConf.select(config, "reward.reward_model.enable_resource_pool", default=False))
+    if enable_rm and not own_pool:
+        raise ValueError(
+            "algorithm.filter_groups.enable=true with +partial needs each group's rewards while it generates (verl's "
+            "reward loop): use a rule-based reward or reward.reward_model.enable_resource_pool=true; a colocated "
+            "reward model scores only inside fit(), after the step's groups were chosen"
+        )
+
+
+def check_v1_only_keys(config: DictConfig, groups: str, partial: bool = False) -> None:
     """Refuse every v1-only key set to a value other than verl's default, naming it; ``groups`` names what moved
-    the job to the legacy trainer (for the message). An absent key is verl's default."""
+    the job to the legacy trainer (for the message); ``partial``: ``+partial`` is among them, and honours the keys
+    marked so. An absent key is verl's default."""
+    if partial:
+        check_filter_groups(config)
     problems = []
     for entry in V1_ONLY_KEYS:
+        if partial and entry.partial_honours:
+            continue
         value = _value(config, entry.key)
         if value is not _MISSING and value != entry.default:
             problems.append(f"{entry.key}={value!r} (verl's default {entry.default!r}): {entry.reason}")

@@ -12,6 +12,8 @@ ids and reward call: ``_agent_loop_postprocess`` and ``_postprocess``). The driv
   ``ct_build_initial_tokens``) and cached here until the driver has the ids.
 * :meth:`PartialAgentLoopWorker.hand_over` builds verl's padded rows and rewards for finished samples only, once,
   when their groups go to training.
+* :meth:`PartialAgentLoopWorker.score` (``algorithm.filter_groups``) computes finished samples' rewards through verl's
+  reward loop (``_compute_score``) while the step generates; the hand-over then reuses them instead of scoring again.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from verl.experimental.agent_loop.agent_loop import (
 from verl_partial.config.job import max_positions_of
 from verl_partial.core.engines.adapter import check_model_len, engine_adapter
 from verl_partial.core.partial.finish import Finish, eos_id_set
+from verl_partial.core.partial.group_filter import SampleScore
 from verl_partial.core.partial.pool import LOG_PROB_DTYPE, TOKEN_DTYPE
 from verl_partial.core.partial.trajectory import Trajectory
 from verl_partial.glue.dataproto import row_fields
@@ -101,6 +104,7 @@ class FinishedSample:
     token_ids: np.ndarray  # int32
     log_probs: np.ndarray  # float32
     payload: dict[str, Any] | None = None  # multi-turn: the finished trajectory (mask, turns, tool output)
+    score: SampleScore | None = None  # its reward, computed already (group filter): not scored again
 
 
 def _empty_answer(call: SegmentCall, server_version: int | None = None, error: str | None = None) -> SegmentAnswer:
@@ -365,7 +369,33 @@ class PartialAgentLoopWorker(AgentLoopWorker):
         )
         return self._postprocess(list(outputs), input_non_tensor_batch=fields, validate=False)
 
+    async def score(self, rows: list[dict[str, Any]], samples: list[FinishedSample]) -> list[SampleScore]:
+        """Finished samples' rewards, computed as ``_agent_loop_postprocess`` does (verl's ``_compute_score`` through
+        the reward loop workers, with the row's fields as its keyword arguments), without building their rows."""
+        if self.reward_loop_worker_handles is None:
+            raise RuntimeError(
+                "algorithm.filter_groups needs verl's reward loop during generation (rule-based reward or "
+                "reward.reward_model.enable_resource_pool=true); this worker has no reward loop workers"
+            )
+
+        async def one(row: dict[str, Any], sample: FinishedSample) -> SampleScore:
+            output = self._finished_output(sample)
+            output.extra_fields["raw_prompt"] = row.get("raw_prompt")
+            await self._compute_score([output], kwargs=row)
+            if output.reward_score is None:
+                raise RuntimeError("verl's reward loop returned no reward_score")
+            return SampleScore(float(output.reward_score), dict(output.extra_fields.get("reward_extra_info", {})))
+
+        return list(await asyncio.gather(*[one(row, sample) for row, sample in zip(rows, samples, strict=True)]))
+
     def _finished_output(self, sample: FinishedSample) -> AgentLoopOutput:
+        output = self._unscored_output(sample)
+        if sample.score is not None:  # ``_compute_score`` leaves an output with a reward_score alone
+            output.reward_score = sample.score.reward
+            output.extra_fields["reward_extra_info"] = dict(sample.score.extra)
+        return output
+
+    def _unscored_output(self, sample: FinishedSample) -> AgentLoopOutput:
         if sample.payload is not None:  # multi-turn: what verl's ToolAgentLoop.run returns for this trajectory
             if self.tool_loop is None:
                 self.tool_loop = make_partial_tool_loop(self)

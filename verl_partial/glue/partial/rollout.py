@@ -31,8 +31,10 @@ import ray
 import torch
 from verl.experimental.agent_loop.agent_loop import AgentLoopManager
 
+from verl_partial.config.job import group_filter_of
 from verl_partial.config.partial import STATE_FILE, PartialConfig
 from verl_partial.core.engines.adapter import check_take_back, engine_adapter
+from verl_partial.core.partial.group_filter import SampleScore
 from verl_partial.core.partial.length_batching import LengthBatcher
 from verl_partial.core.partial.on_policy import length_estimator
 from verl_partial.core.partial.pool import GroupState, RolloutPool, SampleState
@@ -86,6 +88,44 @@ def stack_rows(rows: list[Row]) -> dict[str, Any]:
                 array[index] = value
             stacked[key] = array
     return stacked
+
+
+def reward_fields(row: Row) -> dict[str, Any]:
+    """A prompt row's non-tensor fields: the keyword arguments verl's reward loop reads (data_source, reward_model,
+    extra_info, raw_prompt, ...), as ``_agent_loop_postprocess`` passes them from the trainer's batch."""
+    return {key: value for key, value in row.items() if not isinstance(value, torch.Tensor)}
+
+
+class WorkerGroupScorer:
+    """The scheduler's :class:`verl_partial.core.partial.scheduler.GroupScorer` over verl's AgentLoopWorkers: one
+    Ray call per worker per batch of finished groups (a group goes to the worker that ran its segments)."""
+
+    def __init__(self, workers: list[Any]) -> None:
+        self.workers = workers
+
+    async def score(self, groups: list[GroupState[Row]]) -> list[list[SampleScore]]:
+        by_worker: dict[int, list[GroupState[Row]]] = {}
+        for group in groups:
+            by_worker.setdefault(group.group_id % len(self.workers), []).append(group)
+        refs = [
+            self.workers[index].score.remote(
+                [reward_fields(group.prompt) for group in batch for _ in group.samples],
+                [
+                    FinishedSample(group.prompt_ids, sample.token_ids, sample.log_probs, sample.payload)
+                    for group in batch
+                    for sample in group.samples
+                ],
+            )
+            for index, batch in by_worker.items()
+        ]
+        answers = await asyncio.gather(*[asyncio.wrap_future(ref.future()) for ref in refs])
+        scores: dict[int, list[SampleScore]] = {}
+        for batch, answer in zip(by_worker.values(), answers, strict=True):
+            position = 0
+            for group in batch:
+                scores[group.group_id] = list(answer[position : position + len(group.samples)])
+                position += len(group.samples)
+        return [scores[group.group_id] for group in groups]
 
 
 def prompt_identity(row: Row) -> Any:
@@ -218,7 +258,13 @@ class PartialAgentLoopManager(AgentLoopManager):
             worker.hand_over.remote(
                 chunk,
                 [
-                    FinishedSample(prepared[keys[i]].prompt_ids, sample.token_ids, sample.log_probs, sample.payload)
+                    FinishedSample(
+                        prepared[keys[i]].prompt_ids,
+                        sample.token_ids,
+                        sample.log_probs,
+                        sample.payload,
+                        _score(*order[i]),
+                    )
                     for i, sample in zip(range(start, stop), samples[start:stop], strict=True)
                 ],
             )
@@ -230,6 +276,11 @@ class PartialAgentLoopManager(AgentLoopManager):
         if self._on_hand_over is not None:
             self._on_hand_over(order, output)
         return output
+
+
+def _score(group: GroupState[Row], index: int) -> SampleScore | None:
+    """The reward the group filter computed for a sample (reused at hand-over), None without a filter."""
+    return None if group.scores is None else group.scores[index]
 
 
 def _response_len(sample: SampleState) -> int:
@@ -271,6 +322,7 @@ class PartialRolloutLoader:
             batch_groups=batch_groups,
             response_length=rollout.response_length,
             priority=None if self.length_estimator is None else self.length_estimator.priority,
+            group_filter=group_filter_of(trainer.config),
         )
         self.stream = PromptStream(self.loader, trainer.config.trainer.total_epochs)
         self.batcher = self.length_estimator and LengthBatcher.for_config(
@@ -315,9 +367,16 @@ class PartialRolloutLoader:
             self.batcher.begin_step(step)
         counters_before = engine_counters(trainer.llm_server_manager.server_handles)
         # Generation for step t runs on the weights synced after step t-1 (verl: update_weights(global_steps)).
+        scorer = None if self.pool.group_filter is None else WorkerGroupScorer(manager.agent_loop_workers)
         result = asyncio.run(
             run_step(
-                self.pool, backend, self.batcher or self.stream, step=step, version=step - 1, server_version=step - 1
+                self.pool,
+                backend,
+                self.batcher or self.stream,
+                step=step,
+                version=step - 1,
+                server_version=step - 1,
+                scorer=scorer,
             )
         )
         if self.length_estimator is not None:
