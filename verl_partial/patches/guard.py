@@ -34,7 +34,11 @@ def check_verl_version(version: str) -> None:
 # metrics and tool-turn code; they are declared here, with the rest of our reach into verl, and checked when a
 # partial-rollout manager starts, so a verl that renamed one fails at start-up naming it, not mid-run.
 GLUE_PRIVATE_METHODS: dict[str, tuple[str, ...]] = {
-    "verl.experimental.agent_loop.agent_loop:AgentLoopWorker": ("_agent_loop_postprocess", "_postprocess"),
+    "verl.experimental.agent_loop.agent_loop:AgentLoopWorker": (
+        "_agent_loop_postprocess",
+        "_postprocess",
+        "_compute_score",
+    ),
     "verl.experimental.agent_loop.agent_loop:AgentLoopManager": ("_performance_metrics",),
     "verl.experimental.agent_loop.tool_agent_loop:ToolAgentLoop": (
         "_handle_pending_state",
