@@ -53,7 +53,7 @@ from verl_partial.glue.dataproto import (
     set_hand_over_meta,
 )
 from verl_partial.glue.partial.agent_loop import FinishedSample, PartialAgentLoopWorker
-from verl_partial.glue.partial.segment_backend import WORKER_MAX_CONCURRENCY, WorkerSegmentBackend
+from verl_partial.glue.partial.segment_backend import WORKER_MAX_CONCURRENCY, WorkerSegmentBackend, worker_of
 from verl_partial.patches import guard
 
 if TYPE_CHECKING:
@@ -106,7 +106,7 @@ class WorkerGroupScorer:
     async def score(self, groups: list[GroupState[Row]]) -> list[list[SampleScore]]:
         by_worker: dict[int, list[GroupState[Row]]] = {}
         for group in groups:
-            by_worker.setdefault(group.group_id % len(self.workers), []).append(group)
+            by_worker.setdefault(worker_of(group.group_id, len(self.workers)), []).append(group)
         refs = [
             self.workers[index].score.remote(
                 [reward_fields(group.prompt) for group in batch for _ in group.samples],

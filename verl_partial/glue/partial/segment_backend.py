@@ -94,7 +94,7 @@ class WorkerSegmentBackend:
         loop = asyncio.get_running_loop()
         futures = []
         for group, request in wave:
-            worker = group.group_id % len(self.workers)
+            worker = worker_of(group.group_id, len(self.workers))
             sample = group.samples[request.ref.index]
             prompt_ids, raw_prompt = group.prompt_ids, None
             if prompt_ids is None and group.key not in self.prompt_sent[worker]:
@@ -267,6 +267,11 @@ class WorkerSegmentBackend:
             raise RuntimeError(
                 f"resume_generation failed on {sorted(failed)}, whose gates may still be closed: {detail}"
             )
+
+
+def worker_of(group_id: int, workers: int) -> int:
+    """The AgentLoopWorker that runs a group's segments, and scores it: its cached prompt tokens live there."""
+    return group_id % workers
 
 
 def _when_all(
