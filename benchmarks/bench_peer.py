@@ -69,6 +69,7 @@ from benchmarks.harness import (
     run_trainer,
     usable,
 )
+from verl_partial.config.backend import EMULATE_GPU_ENV, ENGINE_STATS_DIR_ENV, EmulatedGpu
 
 MODULE = "benchmarks.bench_peer"  # what Ray workers and verl's hooks import (not __name__: "__main__" under -m)
 START, END = "<!-- peer-benchmark:start -->", "<!-- peer-benchmark:end -->"
@@ -90,6 +91,16 @@ GOALS: dict[str, tuple[tuple[str, str | None, str, float], ...]] = {
         ("default", None, "occupancy", 0.9),
     ),
 }
+# The random model's shape. ``tiny`` for the emulated GPU: the 24 M model's forward at 64 rows takes ~150 ms on one
+# core here, longer than any emulated step (a 32B model on an H200: ~20 ms), so every step would overrun.
+MODEL_SHAPES: dict[str, dict[str, int]] = {
+    "peer": {},
+    "tiny": {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 128},
+}
+# The override that makes our engine a GPU-shaped one on both of verl's trainers (v1 carries no backend block).
+EMULATE_OVERRIDE = f"ray_kwargs.ray_init.runtime_env.env_vars.{EMULATE_GPU_ENV}"
+# A run whose engine overran its modelled step in this share of steps or more gives no emulated figure.
+MAX_OVERRUN_FRACTION = 0.01
 FIGURES = {"rollout": "rollout phase", "step": "whole step", "occupancy": "slot occupancy"}
 
 
@@ -130,6 +141,15 @@ MODES: dict[str, PeerMode] = {
     for mode in (
         PeerMode("v0_sync", "v0 sync (RayPPOTrainer)", "v0"),
         PeerMode("default", "ours `+partial=default`", "v0", "default"),
+        # The default before admission followed the engines' free slots (issue 25, item 5): a group's slot is
+        # refilled only once the whole group is done.
+        PeerMode(
+            "default_by_groups",
+            "ours `+partial=default`, admission by finished groups",
+            "v0",
+            "default",
+            overrides=("partial.fill_engine=false",),
+        ),
         # As many requests in flight as v1's one-batch-ahead (2 x train_batch_size groups) at the same bound: refill
         # off (wait + refill refuses extra groups), a whole batch of extra groups admitted at each step start.
         PeerMode(
@@ -167,6 +187,7 @@ MODES: dict[str, PeerMode] = {
 DEFAULT_MODES = (
     "v0_sync",
     "default",
+    "default_by_groups",
     "default_extra",
     "v1_sync",
     "v1_sync_fastpoll",
@@ -260,7 +281,12 @@ def run_mode(
     run_dir.mkdir(parents=True)
     command = command_for(mode, paths, wl, run_dir, engine, extra)
     probe = calibration_probe(engine, paths["model"])
-    record = run_trainer(command, run_dir, run_env(settings, run_dir, {TARGET_ENV: wl.lengths.env()}), settings)
+    stats_dir = run_dir / "engine_stats"
+    stats_dir.mkdir()
+    env = run_env(settings, run_dir, {TARGET_ENV: wl.lengths.env(), ENGINE_STATS_DIR_ENV: str(stats_dir)})
+    record = run_trainer(command, run_dir, env, settings)
+    # Our engine's counters, whatever the trainer (verl's own never ask for them): engine steps and overruns.
+    record["engine_stats"] = [json.loads(path.read_text()) for path in sorted(stats_dir.glob("engine-*.json"))]
     threads = sorted({(w["omp_num_threads"], w["torch_threads"]) for w in record["machine"]["worker_threads"]})
     print(f"{engine} {mode.name}: exit {record['returncode']}, {len(record['steps'])} steps, probe "
           f"{probe.get('seconds', 'failed')} s, other processes {record['machine']['other_cores_mean']} cores, "
@@ -273,6 +299,27 @@ def run_mode(
 # What the engine logs per step (verl_partial.cpu_backend.occupancy.PhaseSlots.metrics): the run's occupancy is the
 # sum of trained tokens over the sum of slot capacity, every step counted (a step with no engine step has capacity 0).
 SLOT_CAPACITY, TOKENS_TRAINED = "partial/slot/capacity", "partial/tokens_trained"
+
+
+def emulated_gpu(results: dict[str, Any], engine: str) -> EmulatedGpu | None:
+    """The GPU and model an engine's runs emulated (its ``--engine-override``), or None for a measured engine."""
+    for override in results.get("engines", {}).get(engine, {}).get("overrides", []):
+        key, _, value = override.lstrip("+").partition("=")
+        if key in (EMULATE_OVERRIDE, "backend.emulate_gpu"):
+            return EmulatedGpu.parse(value)
+    return None
+
+
+def modelled_occupancy(tokens_trained: float, gen_s: float, wl: Workload, gpu: EmulatedGpu) -> float:
+    """Trained tokens over the slots x full-batch steps the phase's wall time could hold on the emulated GPU.
+
+    One formula for every mode, ours and verl's, from what every trainer logs (``timing_s/gen`` and the trained
+    lengths): the full-batch step is the emulated GPU's for ``slots`` decodes at the workload's mean context (prompt
+    plus half the mean answer). The engine's own per-phase counters (``partial/slot_occupancy``) exist under
+    ``+partial`` only, so they are not what modes are compared on."""
+    context = wl.max_prompt_length + wl.lengths.mean() / 2
+    full_step_s = gpu.server_spec(wl.slots).step_seconds(wl.slots, wl.slots * context)
+    return tokens_trained * full_step_s / (wl.slots * gen_s)
 
 
 def read_engine_counters(steps: list[dict[str, Any]]) -> dict[str, float] | None:
@@ -329,7 +376,7 @@ def _max(steps: list[dict[str, Any]], key: str) -> float:
     return max((float(step[key]) for step in steps if key in step), default=float("nan"))
 
 
-def figures(run: dict[str, Any], wl: Workload) -> RunFigures | None:
+def figures(run: dict[str, Any], wl: Workload, gpu: EmulatedGpu | None = None) -> RunFigures | None:
     """The run's steady-state figures; None for a failed or rejected run, or one with no measured step."""
     steps = [data for step, data in run["steps"].items() if int(step) >= wl.first_measured and "timing_s/gen" in data]
     if not usable(run) or not steps:
@@ -351,9 +398,14 @@ def figures(run: dict[str, Any], wl: Workload) -> RunFigures | None:
         spans_max = 1.0
         discarded = "0 tokens"
     counters = read_engine_counters(steps)
+    gen_s = _mean(steps, "timing_s/gen")
+    if gpu is not None:
+        occupancy: float | None = modelled_occupancy(tokens, gen_s, wl, gpu)
+    else:
+        occupancy = None if counters is None else counters["slot_occupancy"]
     return RunFigures(
         steps=len(steps),
-        gen_s=_mean(steps, "timing_s/gen"),
+        gen_s=gen_s,
         step_s=_mean(steps, "timing_s/step"),
         tokens_trained=tokens,
         staleness_max=staleness_max,
@@ -363,7 +415,7 @@ def figures(run: dict[str, Any], wl: Workload) -> RunFigures | None:
         reward=_mean(steps, "critic/score/mean"),
         peak_rss_gib=run["peak_rss_bytes"] / 2**30,
         round=int(run.get("round", 0)),
-        occupancy=None if counters is None else counters["slot_occupancy"],
+        occupancy=occupancy,
         probe_s=run.get("probe", {}).get("seconds"),
     )
 
@@ -396,6 +448,19 @@ def speedup(base: list[RunFigures], other: list[RunFigures], figure: str = "step
     return spread(pairs) + "x" if pairs else "-"
 
 
+def overrun_fraction(run: dict[str, Any]) -> float | None:
+    """The share of our engine's steps whose real compute outlasted the modelled step (None: no counters)."""
+    stats = run.get("engine_stats") or []
+    steps = sum(engine["steps"] for engine in stats)
+    return None if not steps else sum(engine["overruns"] for engine in stats) / steps
+
+
+def overran(run: dict[str, Any]) -> bool:
+    """An emulated run gives no figure unless its counters show fewer than ``MAX_OVERRUN_FRACTION`` overruns."""
+    fraction = overrun_fraction(run)
+    return fraction is None or fraction >= MAX_OVERRUN_FRACTION
+
+
 def by_mode(results: dict[str, Any], engine: str = "cpu_vllm") -> dict[str, list[RunFigures]]:
     """Every usable run's figures on ``engine``, by mode, in round order."""
     wl = workload_of(results)
@@ -403,7 +468,10 @@ def by_mode(results: dict[str, Any], engine: str = "cpu_vllm") -> dict[str, list
     for run in sorted(results["runs"], key=lambda run: run.get("round", 0)):
         if run.get("engine", "cpu_vllm") != engine:
             continue
-        got = figures(run, wl)
+        gpu = emulated_gpu(results, engine)
+        if gpu is not None and overran(run):
+            continue
+        got = figures(run, wl, gpu)
         if got is not None:
             out.setdefault(run["mode"], []).append(got)
     return out
@@ -423,9 +491,12 @@ def table(results: dict[str, Any], engine: str = "cpu_vllm") -> str:
     measured = by_mode(results, engine)
     lost: dict[str, list[str]] = {}
     for run in [*results["runs"], *results.get("set_aside", [])]:
-        if run.get("engine", "cpu_vllm") == engine and not usable(run):
-            why = "rejected" if run.get("rejected") else "failed"
-            lost.setdefault(run["mode"], []).append(why)
+        if run.get("engine", "cpu_vllm") != engine:
+            continue
+        if not usable(run):
+            lost.setdefault(run["mode"], []).append("rejected" if run.get("rejected") else "failed")
+        elif emulated_gpu(results, engine) is not None and overran(run):
+            lost.setdefault(run["mode"], []).append("overran")
     v0, v1 = measured.get("v0_sync", []), measured.get("v1_async_bound", [])
     lines = [
         "| mode | rounds | rollout ms / trained token | whole step ms / trained token | rollout vs v0 sync | "
@@ -437,10 +508,12 @@ def table(results: dict[str, Any], engine: str = "cpu_vllm") -> str:
     for name in [m for m in MODES if m in measured or m in lost]:
         runs = measured.get(name, [])
         note = "".join(
-            f" ({lost[name].count(why)} {why})" for why in ("failed", "rejected") if why in lost.get(name, [])
+            f" ({lost[name].count(why)} {why})"
+            for why in ("failed", "rejected", "overran")
+            if why in lost.get(name, [])
         )
         if not runs:
-            why = "rejected" if set(lost[name]) == {"rejected"} else "failed"
+            why = "/".join(sorted(set(lost[name])))
             lines.append(f"| {MODES[name].label} | 0{note} | {why} |" + " |" * 13)
             continue
         occupancy = [r.occupancy for r in runs if r.occupancy is not None]
@@ -617,7 +690,7 @@ def measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
 
     engines = _engine_settings(args)
     names = args.modes.split(",")
-    wl = Workload(steps=args.steps)
+    wl = Workload(steps=args.steps, **MODEL_SHAPES[args.model])
     settings = RunSettings(threads=args.threads)
     paths = build_assets(args.work_dir / "assets", wl)
     try:
@@ -669,6 +742,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {list(ENGINES)}")
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"comma-separated, of {list(MODES)}")
+    parser.add_argument("--model", choices=sorted(MODEL_SHAPES), default="peer",
+                        help="the random model's shape: 'peer' (24 M), 'tiny' (for the emulated GPU: its forward "
+                        "must fit inside the modelled step)")  # fmt: skip
     parser.add_argument("--steps", type=int, default=12, help="trainer steps per run (steps >= 2 are measured)")
     parser.add_argument("--rounds", type=int, default=MIN_ROUNDS, help="times every engine and mode runs, interleaved")
     parser.add_argument(

@@ -100,6 +100,8 @@ def simulate(
     source = ListSource(keys)
     engine = engine or make_engine(seed, response_length)
     shape = dict(group_size=n, batch_groups=batch, response_length=response_length, group_filter=group_filter)
+    # What the glue sets (partial.fill_engine): every server's slots.
+    shape["engine_slots"] = sum(server.max_num_seqs for server in engine.servers_)
     pool: RolloutPool = RolloutPool(config, **shape)
     run = Run([], pool, engine, source, [], [])
 
@@ -190,7 +192,12 @@ def check_ledger(run: Run, batch: int, extra_groups: int) -> None:
     left = totals.dropped_groups + totals.failed_groups + totals.filtered_groups
     assert totals.admitted_groups == totals.trained_groups + left + len(in_flight)
     assert run.metrics[-1]["partial/total/trained_groups"] == len(keys)
-    assert len(run.pool.groups) <= batch + extra_groups  # invariant 12: bounded parked state
+    # Invariant 12: bounded parked state. Filling the engines, at most (1 + max_staleness) x batch groups are held,
+    # and a step end hands batch of them to training.
+    bound = batch + extra_groups
+    if run.pool.config.fill_engine:
+        bound = max(bound, run.pool.config.max_staleness * batch)
+    assert len(run.pool.groups) <= bound
 
 
 @st.composite
@@ -207,6 +214,7 @@ def configs(draw: st.DrawFn, max_extra: int = 6) -> PartialConfig:
         max_staleness=max_staleness,
         staleness_policy=policy,
         refill=refill,
+        fill_engine=draw(st.booleans()),
         max_retries=draw(st.integers(0, 3)),
         request_timeout_s=2.0,
         abort_grace_s=1.0,
@@ -350,8 +358,13 @@ def test_a_call_still_in_transit_after_two_take_backs_is_taken_back_again_not_ca
     (request_timeout_s 0.5 s) ignore two take-backs (abort_grace_s 0.2 s). Cancelling them then lost whatever they
     generated once they had arrived (before: 17 calls cancelled, 28 tokens lost, 18 failures). Mid-step, while their
     server answers the take-backs, they are taken back again until they answer with their tokens."""
-    config = PartialConfig(
-        extra_groups=0, staleness_policy="keep", request_timeout_s=0.5, abort_grace_s=0.2, max_retries=3
+    config = PartialConfig(  # one group in flight (no fill_engine): every call is the group's own
+        extra_groups=0,
+        staleness_policy="keep",
+        request_timeout_s=0.5,
+        abort_grace_s=0.2,
+        max_retries=3,
+        fill_engine=False,
     )
     engine = SimEngine(0, 40, [SimServer("s0", token_latency=0.01)], max_transit=2.0)
     run = simulate(config, n=2, batch=1, steps=2, response_length=40, seed=0, engine=engine)
@@ -562,8 +575,13 @@ def test_a_long_decode_at_full_speed_is_never_taken_back(engine_name):
     server where nothing else finishes. Judged by answers it was taken back again and again (stalled_calls >= 2).
     Judged by tokens, each stall check reads its progress and finds it decoding: it is never taken back, and it
     finishes in one call with nothing regenerated."""
-    config = PartialConfig(
-        extra_groups=0, staleness_policy="keep", request_timeout_s=1.0, abort_grace_s=0.5, max_retries=0
+    config = PartialConfig(  # one answer in flight (no fill_engine): nothing else on the server finishes
+        extra_groups=0,
+        staleness_policy="keep",
+        request_timeout_s=1.0,
+        abort_grace_s=0.5,
+        max_retries=0,
+        fill_engine=False,
     )
     response_length = 400
     seed = max(range(50), key=lambda s: target_length("p0", 0, s, response_length))
@@ -705,7 +723,7 @@ def test_a_dead_server_cannot_stall_the_step():
 
 
 def test_server_version_mismatch_is_refused():
-    config = PartialConfig(extra_groups=0)
+    config = PartialConfig(extra_groups=0, fill_engine=False)
     engine = make_engine(1, 8)
 
     async def main() -> None:
@@ -827,8 +845,8 @@ def test_refill_admits_fresh_groups_mid_step_and_loses_nothing():
     """Without refill a step admits only at its start (pool capacity); with it, every finished group is replaced
     at once, so the step admits more than the capacity and still trains exactly the batch, nothing lost."""
     kwargs = dict(n=4, batch=4, steps=4, response_length=200, seed=3)
-    plain = simulate(PartialConfig(extra_groups=0, staleness_policy="wait", refill=False), **kwargs)
-    refill = simulate(PartialConfig(extra_groups=0, staleness_policy="wait", refill=True), **kwargs)
+    plain = simulate(PartialConfig(staleness_policy="wait", refill=False, fill_engine=False), **kwargs)
+    refill = simulate(PartialConfig(staleness_policy="wait", refill=True, fill_engine=False), **kwargs)
     first_step = [run.metrics[0]["partial/total/admitted_groups"] for run in (plain, refill)]
     assert first_step[0] == 4 and first_step[1] > 4
     for run in (plain, refill):

@@ -67,6 +67,8 @@ class CheckedPool(RolloutPool):
         assert self.runnable() == expected, "the index of runnable samples disagrees with the predicate"
         assert list(self.iter_runnable()) == expected
         assert self.has_runnable() == bool(expected)
+        open_samples = sum(not sample.finished for group in self.groups.values() for sample in group.samples)
+        assert self.open_samples() == open_samples, "the count of unfinished samples (fill_engine) drifted"
         CheckedPool.checks += 1
 
 
@@ -106,9 +108,14 @@ def test_index_matches_the_predicate_over_random_operations(config, longest_firs
         config = PartialConfig(**{**config.__dict__, "schedule": "longest_first"})
         estimator = LengthEstimator(identity=lambda prompt: prompt % 3)
 
+    engine_slots = data.draw(st.integers(1, 3 * n * batch))
+
     def new_pool() -> CheckedPool:
         priority = estimator.priority if estimator is not None else None
-        return CheckedPool(config, group_size=n, batch_groups=batch, response_length=response_length, priority=priority)
+        return CheckedPool(
+            config, group_size=n, batch_groups=batch, response_length=response_length, priority=priority,
+            engine_slots=engine_slots,
+        )  # fmt: skip
 
     pool = new_pool()
     prompts = iter(range(10_000))
@@ -213,7 +220,7 @@ def test_scheduler_launches_in_the_brute_force_order():
     full scan would have returned at that moment, in its order."""
     config = PartialConfig(max_calls_per_server=3)
     engine = make_engine(3, 16, servers=2, max_transit=0.05)
-    pool = CheckedPool(config, group_size=4, batch_groups=2, response_length=16)
+    pool = CheckedPool(config, group_size=4, batch_groups=2, response_length=16, engine_slots=12)
     source = test_partial_scheduler.ListSource([f"p{i}" for i in range(16)])
     waves: list[tuple[list[SampleRef], list[SampleRef]]] = []  # (the full scan's answer, what the launch took)
     lazy = pool.iter_runnable

@@ -16,6 +16,9 @@ BACKEND_NAMES = ("cpu", "cpu_vllm", "cpu_sglang")
 EMULATING_BACKENDS = ("cpu", "cpu_sglang")
 # How the driver hands ``backend.emulate_gpu`` to the rollout servers (Ray runtime_env, every process).
 EMULATE_GPU_ENV = "VERL_PARTIAL_EMULATE_GPU"
+# A folder where each of our CPU engines keeps its counters as JSON (benchmarks: every trainer mode's engine steps and
+# overruns, verl's own trainers included).
+ENGINE_STATS_DIR_ENV = "VERL_PARTIAL_ENGINE_STATS_DIR"
 
 # "<GPU>/<model>" in the simulator's names (verl_partial/sim/hardware.py), every pair whose weights fit one GPU
 # (tests/unit/test_emulated_gpu.py holds this list to the hardware tables).

@@ -76,6 +76,15 @@ class PartialConfig:
     generating instead of draining towards the step end (the streaming admission of verl's fully_async rollouter and
     AReaL). ``false``: groups are admitted at the step start only."""
 
+    fill_engine: bool = True
+    """Admission follows the engines' free capacity: beyond ``train_batch_size + extra_groups`` (and the refill), a
+    fresh group is admitted whenever the engines have a free slot for each of its samples (servers x
+    ``rollout.max_num_seqs``), while the pool holds at most ``(1 + max_staleness) x train_batch_size`` groups, the
+    most that can be generated ahead of training without a token exceeding ``max_staleness`` (AReaL's capacity
+    bound). A server that never fills (a GPU's step time barely grows with its batch) then runs full instead of
+    idling while a group's last samples decode; a server that queues has no free slot, and admission is the
+    refill's alone. ``false``: admission by groups only (``refill`` and ``extra_groups``)."""
+
     max_retries: int = 2
     """Retries of one sample's failed calls before its group is taken out (counted as ``partial/failed_groups``; its
     prompt is replaced). Counted in a row: any call that brings tokens or a finish resets the count. A call fails
@@ -188,15 +197,29 @@ PRESETS: dict[str, PartialConfig] = {
     "default": _DEFAULT,
     # The default before streaming admission: 4 extra groups absorb the tail; a sample that would exceed
     # max_staleness is regenerated from its prompt (its tokens thrown away and counted).
-    "restart": dataclasses.replace(_DEFAULT, extra_groups=4, staleness_policy="restart", refill=False),
+    "restart": dataclasses.replace(
+        _DEFAULT, extra_groups=4, staleness_policy="restart", refill=False, fill_engine=False
+    ),
     # Kimi k1.5: a per-step token budget; long answers are generated in segments over several steps, the
     # off-policy part left to rollout correction.
     "kimi": dataclasses.replace(
-        _DEFAULT, extra_groups=8, step_token_budget=1024, max_staleness=8, staleness_policy="keep", refill=False
+        _DEFAULT,
+        extra_groups=8,
+        step_token_budget=1024,
+        max_staleness=8,
+        staleness_policy="keep",
+        refill=False,
+        fill_engine=False,
     ),
     # Strictly on-policy: no over-provisioning, the tail cut by launching the longest expected answers first.
     "on_policy": dataclasses.replace(
-        _DEFAULT, extra_groups=0, max_staleness=0, staleness_policy="restart", refill=False, schedule="longest_first"
+        _DEFAULT,
+        extra_groups=0,
+        max_staleness=0,
+        staleness_policy="restart",
+        refill=False,
+        fill_engine=False,
+        schedule="longest_first",
     ),
 }
 # Length-aware batch composition (tail batching) over windows of 4 steps, at either staleness bound: ``default``'s

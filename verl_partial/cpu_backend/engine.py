@@ -38,6 +38,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import os
 import threading
 import time
 from collections import deque
@@ -104,6 +106,8 @@ class GenerationResult:
 # The step shape a step-time model is given: (decode requests, their summed context, prefill tokens, prefill
 # query x key pairs), the arguments of ``verl_partial.sim.engine.ServerSpec.step_seconds``.
 StepTimeModel = Callable[[int, float, int, float], float]
+# Engine steps between two rewrites of ``stats_file`` (a few ms of JSON every few seconds of decoding).
+STATS_FILE_EVERY = 200
 
 
 @dataclass
@@ -202,6 +206,7 @@ class CpuBatchedEngine:
         step_time: StepTimeModel | None = None,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
+        stats_file: str | None = None,
     ) -> None:
         """
         Args:
@@ -228,6 +233,9 @@ class CpuBatchedEngine:
                 engine serves both, the GPU only making each step faster (benchmarks/gpu_engine_curve.py).
             dtype: cast the model's floating-point weights to this dtype (e.g. ``torch.bfloat16`` on a GPU);
                 ``None`` keeps the model's own. The KV cache takes the model's dtype.
+            stats_file: rewrite the counters (``stats``) as JSON here every ``STATS_FILE_EVERY`` steps and when the
+                loop ends, so a benchmark reads every trainer mode's engine steps and overruns, verl's own trainers
+                included, which never ask the server for them.
         """
         if virtual_step_s is not None and step_time is not None:
             raise ValueError("virtual_step_s and step_time both set the step time; give one")
@@ -241,6 +249,7 @@ class CpuBatchedEngine:
         # timeout on purpose, on any machine. 0: steps take what they take.
         self.min_step_s = 0.0
         self.step_time = step_time
+        self.stats_file = stats_file
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self.max_num_seqs = max_num_seqs
@@ -309,6 +318,14 @@ class CpuBatchedEngine:
             if self._stepped is None:
                 self._stepped = asyncio.Event()
             await self._stepped.wait()
+
+    def write_stats(self) -> None:
+        """``stats`` as JSON at ``stats_file``, replaced atomically (a reader never sees half a file)."""
+        assert self.stats_file is not None
+        partial = f"{self.stats_file}.tmp"
+        with open(partial, "w") as out:
+            json.dump(dataclasses.asdict(self._stats), out)
+        os.replace(partial, self.stats_file)
 
     @property
     def stats(self) -> EngineStats:
@@ -479,8 +496,12 @@ class CpuBatchedEngine:
                 finally:
                     self._stats.steps += 1
                     self._stats.step_s += loop.time() - began
+                    if self.stats_file is not None and self._stats.steps % STATS_FILE_EVERY == 0:
+                        self.write_stats()
                 self._apply(plan, rows, tokens, log_probs)
         finally:
+            if self.stats_file is not None:
+                self.write_stats()
             # The loop is going away (close() or the event loop shutting down): nothing can be resumed later.
             for request in list(self._requests.values()):
                 self._finish(request, "aborted")

@@ -32,7 +32,7 @@ from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, TokenOutput
 from verl.workers.rollout.utils import get_max_position_embeddings
 
-from verl_partial.config.backend import EMULATE_GPU_ENV, EmulatedGpu
+from verl_partial.config.backend import EMULATE_GPU_ENV, ENGINE_STATS_DIR_ENV, EmulatedGpu
 from verl_partial.cpu_backend.engine import CpuBatchedEngine, EngineRequest, GenerationResult, SamplingParams, Semantics
 from verl_partial.glue.engines.sglang import apply_sglang_server_fix
 
@@ -143,6 +143,7 @@ class _CpuServerBase:
             semantics=semantics,
             virtual_step_s=virtual_step_s,
             step_time=None if gpu_server is None else gpu_server.step_seconds,
+            stats_file=stats_file(self.replica_rank),
         )
 
     def _eos_token_ids(self, model) -> set[int]:
@@ -214,6 +215,12 @@ class _CpuServerBase:
             "max_num_seqs": self.engine.max_num_seqs,
             "emulate_gpu": None if self.emulate_gpu is None else self.emulate_gpu.name,
         }
+
+
+def stats_file(replica_rank: int) -> str | None:
+    """Where this replica's engine keeps its counters for a benchmark (``VERL_PARTIAL_ENGINE_STATS_DIR``), or None."""
+    folder = os.environ.get(ENGINE_STATS_DIR_ENV)
+    return None if not folder else os.path.join(folder, f"engine-{replica_rank}.json")
 
 
 def resolve_max_model_len(configured: int | None, hf_config: Any) -> int:

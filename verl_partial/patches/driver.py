@@ -80,12 +80,30 @@ def _export_cpu_threads(config: Any) -> None:
 
 
 def _export_emulated_gpu(config: Any) -> None:
-    """``backend.emulate_gpu`` reaches the rollout servers (launched by verl through Ray) as an env var."""
+    """``backend.emulate_gpu`` reaches the rollout servers (launched by verl through Ray) as an env var.
+
+    verl's v1 trainer carries no ``backend`` block (``+backend=cpu_v1``), so there the env var itself is the setting;
+    it is checked as strictly as the typed key, since a server that ignores it would run unemulated in silence.
+    """
+    from omegaconf import OmegaConf
+
+    from verl_partial.config.backend import EmulatedGpu
     from verl_partial.config.job import backend_config
 
     backend = backend_config(config) if config.get("backend") is not None else None
     if backend is not None and backend.emulate_gpu is not None:
         _export_to_ray_processes(config, EMULATE_GPU_ENV, backend.emulate_gpu)
+        return
+    key = f"ray_kwargs.ray_init.runtime_env.env_vars.{EMULATE_GPU_ENV}"
+    direct = OmegaConf.select(config, key, default=None)
+    if direct:
+        EmulatedGpu.parse(str(direct))
+        rollout = OmegaConf.select(config, "actor_rollout_ref.rollout.name", default=None)
+        if rollout != CPU_ROLLOUT_NAME:
+            raise ValueError(
+                f"{key} is applied by verl-partial's CPU engine only (actor_rollout_ref.rollout.name=cpu), got "
+                f"rollout.name={rollout!r}, whose engine would ignore it"
+            )
 
 
 def _ray_processes_platform(config: Any) -> str:

@@ -110,6 +110,7 @@ def simulate(
             batch_groups=workload.batch,
             response_length=workload.response_length,
             priority=estimator.priority if estimator else None,
+            engine_slots=servers * spec.max_num_seqs,
         )
         backend = SimBackend(spec, servers, workload)
         source = PromptCycle(workload)

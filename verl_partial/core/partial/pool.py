@@ -236,6 +236,7 @@ class RolloutPool(Generic[P]):
         response_length: int,
         priority: Callable[[GroupState[P], SampleState], float] | None = None,
         group_filter: GroupFilter | None = None,
+        engine_slots: int | None = None,
     ) -> None:
         if group_size < 1 or batch_groups < 1 or response_length < 1:
             raise ValueError(
@@ -252,6 +253,9 @@ class RolloutPool(Generic[P]):
                 "RolloutPool(..., priority=verl_partial.core.partial.on_policy.LengthEstimator(...).priority)"
             )
         check_carry_fits(config, batch_groups)
+        # Samples every engine together can run at once (``partial.fill_engine``); the glue sets it once the servers
+        # exist (they start after the trainer that builds the pool).
+        self.engine_slots = engine_slots
         # Launch order (``partial.schedule``): a sort key, ascending, under ``longest_first``; oldest group first under
         # ``fifo`` (an estimator may exist for ``length_window_steps`` alone, its priority is then not for launches).
         self.priority = priority if config.schedule == "longest_first" else None
@@ -272,6 +276,9 @@ class RolloutPool(Generic[P]):
         # Samples change only through this class's methods: each that can flip ``_is_runnable`` calls ``_index``.
         self._runnable: dict[int, set[int]] = {}
         self._runnable_ids: list[int] = []
+        # Unfinished samples of every group held (running, queued or parked): what they will ask of the engines'
+        # slots. Kept in step like ``_finished``, since ``free_slots`` reads it on every wake of the scheduler.
+        self._open_samples = 0
         self.next_group_id = 0
         self.version = 0
         self.server_version: int | None = None
@@ -296,11 +303,30 @@ class RolloutPool(Generic[P]):
 
     def free_slots(self) -> int:
         """Groups that may be admitted now. With ``partial.refill`` the groups this step will train (the first
-        ``batch_groups`` finished ones) no longer hold a slot, so a finished group is replaced mid-step."""
+        ``batch_groups`` finished ones) no longer hold a slot, so a finished group is replaced mid-step.
+
+        With ``partial.fill_engine``, beyond that, a whole group whenever the engines have a free slot for each of
+        its samples, while the pool holds at most ``(1 + max_staleness) x batch_groups`` groups: groups admitted at
+        version ``v`` train by version ``v + max_staleness``, oldest first, so at most that many can be admitted
+        ahead of training without one of them getting too old (AReaL's capacity formula, in groups). A server that
+        queues has no free slot, and admission is the refill's alone."""
         held = len(self.groups)
         if self.config.refill:
             held -= min(self.batch_groups, len(self._finished))
-        return max(0, self.capacity - held)
+        slots = max(0, self.capacity - held)
+        if slots or not self.config.fill_engine:
+            return slots
+        if self.engine_slots is None or self.engine_slots < 1:
+            raise RuntimeError(
+                f"partial.fill_engine needs the engines' sample slots (servers x rollout.max_num_seqs), got "
+                f"engine_slots={self.engine_slots}: set RolloutPool.engine_slots before the step"
+            )
+        bound = (1 + self.config.max_staleness) * self.batch_groups - len(self.groups)
+        return max(0, min(bound, (self.engine_slots - self._open_samples) // self.group_size))
+
+    def open_samples(self) -> int:
+        """Unfinished samples held (running, queued or parked)."""
+        return self._open_samples
 
     def admit(self, prompt: P, key: str) -> int:
         if REQUEST_ID_END in key:
@@ -312,6 +338,7 @@ class RolloutPool(Generic[P]):
         samples = [SampleState() for _ in range(self.group_size)]
         group = GroupState(group_id, key, prompt, samples, admitted_step=self.step)
         self.groups[group_id] = group
+        self._open_samples += self.group_size
         for index in range(self.group_size):
             self._index(group, index)
         self.count(admitted_groups=1)
@@ -356,6 +383,7 @@ class RolloutPool(Generic[P]):
             self._take_out(group, "dropped")
             return
         for sample in stale:
+            self._open_samples += sample.finished
             thrown = sample.discard_tokens()
             self.count(tokens_discarded=thrown, restarted_samples=1)
         group.scores = None  # its samples change: judged again once finished
@@ -377,6 +405,7 @@ class RolloutPool(Generic[P]):
     def _take_out(self, group: GroupState[P], reason: str) -> None:
         thrown = sum(len(sample.token_ids) for sample in group.samples)
         self.count(tokens_discarded=thrown, **{f"{reason}_groups": 1})
+        self._open_samples -= sum(not sample.finished for sample in group.samples)
         del self.groups[group.group_id]
         self._finished.discard(group.group_id)
         self._unjudged.discard(group.group_id)
@@ -540,6 +569,7 @@ class RolloutPool(Generic[P]):
             sample.payload = result.payload
         self._index(group, ref.index)
         if sample.finished:
+            self._open_samples -= 1
             self.finished_lengths.append(len(sample.token_ids))
             if group.finished:
                 (self._finished if self.group_filter is None else self._unjudged).add(group.group_id)
@@ -573,6 +603,7 @@ class RolloutPool(Generic[P]):
         """Rebuild the finished sets from the groups (a step start, a checkpoint loaded): under a group filter a
         finished group is ready once judged (``scores``), else it waits to be judged."""
         finished = [group for group in self.groups.values() if group.finished]
+        self._open_samples = sum(not sample.finished for group in self.groups.values() for sample in group.samples)
         judged = self.group_filter is None
         self._finished = {group.group_id for group in finished if judged or group.scores is not None}
         self._unjudged = {group.group_id for group in finished if not judged and group.scores is None}

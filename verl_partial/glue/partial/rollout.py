@@ -296,6 +296,13 @@ def _chunk_bounds(keys: np.ndarray, chunks: int) -> list[tuple[int, int]]:
     return [(starts[part[0]], ends[part[-1]]) for part in groups if len(part)]
 
 
+def engine_slots(rollout_config: Any, servers: int) -> int:
+    """Samples the servers can run at once (``partial.fill_engine``): each server (a verl replica) runs
+    ``data_parallel_size`` engines of ``max_num_seqs`` slots; vLLM and SGLang both take ``rollout.max_num_seqs``
+    (verl passes it as vLLM's ``max_num_seqs`` and SGLang's ``max_running_requests``)."""
+    return servers * int(rollout_config.max_num_seqs) * int(getattr(rollout_config, "data_parallel_size", 1) or 1)
+
+
 def engine_counters(server_handles: list[Any]) -> list[dict[str, Any]] | None:
     """Every server's engine counters (one Ray call each), or None where the servers keep none (vLLM, SGLang)."""
     if not server_handles or not all(hasattr(handle, "engine_stats") for handle in server_handles):
@@ -362,6 +369,7 @@ class PartialRolloutLoader:
             )
         step = trainer.global_steps
         backend = manager.segment_backend(trainer.llm_server_manager)
+        self.pool.engine_slots = engine_slots(manager.rollout_config, len(trainer.llm_server_manager.server_handles))
         backend.begin_step(self.pool)
         if self.batcher is not None:
             self.batcher.begin_step(step)
