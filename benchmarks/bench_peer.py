@@ -81,6 +81,9 @@ V1_ASYNC = "trainer.v1.trainer_mode=colocate_async"
 V1_SYNC = "trainer.v1.trainer_mode=sync"
 ENGINES = ("cpu_vllm", "cpu")
 LABELS = ("measured", "emulated", "simulated")
+# "The best of our presets at staleness <= 1", round by round: the highest ratio of any +partial mode whose preset
+# bounds staleness at 1 or less.
+BEST = "best"
 # The speed issue's goals, per trained token, paired by round: (ours, against, figure, at least). "occupancy" is a
 # level, not a ratio. The GPU-shaped goals hold for the emulated engine only.
 GOALS: dict[str, tuple[tuple[str, str | None, str, float], ...]] = {
@@ -88,6 +91,7 @@ GOALS: dict[str, tuple[tuple[str, str | None, str, float], ...]] = {
     "emulated": (
         ("default", "v0_sync", "rollout", 1.8),
         ("default", "v1_async_bound", "rollout", 1.1),
+        (BEST, "v1_async_bound", "rollout", 1.3),
         ("default", None, "occupancy", 0.9),
     ),
 }
@@ -183,16 +187,17 @@ MODES: dict[str, PeerMode] = {
     )
 }
 # Every v1 variant in every round: sync and colocate_async at our bound and at verl's defaults, each with and without
-# the 2 s poll.
+# the 2 s poll. The modes the goals compare run first in each round, so a session that must stop mid-round leaves
+# those complete.
 DEFAULT_MODES = (
     "v0_sync",
     "default",
+    "v1_async_bound",
     "default_by_groups",
     "default_extra",
+    "v1_async_bound_fastpoll",
     "v1_sync",
     "v1_sync_fastpoll",
-    "v1_async_bound",
-    "v1_async_bound_fastpoll",
     "v1_async_defaults",
     "v1_async_defaults_fastpoll",
 )
@@ -547,6 +552,21 @@ def verdict(values: list[float], goal: float | None) -> str:
     return f" -- goal {goal}x " + ("not met" if max(values) < goal else "met in some rounds only: not met")
 
 
+def best_ratios(runs: dict[str, list[RunFigures]], against: str, figure: str) -> list[float]:
+    """Round by round, the best ratio over ``against`` of any of our modes whose preset bounds staleness at <= 1."""
+    from verl_partial.config.partial import PRESETS
+
+    bounded = [name for name, mode in MODES.items() if mode.partial and PRESETS[mode.partial].max_staleness <= 1]
+    best: dict[int, float] = {}
+    base = {run.round: run for run in runs.get(against, [])}
+    for name in bounded:
+        for run in runs.get(name, []):
+            if run.round in base:
+                ratio = ratios([base[run.round]], [run], figure)[0]
+                best[run.round] = max(best.get(run.round, 0.0), ratio)
+    return [best[round_] for round_ in sorted(best)]
+
+
 def goals(results: dict[str, Any], engine: str) -> str:
     """The speed issue's goals for ``engine``'s label, each from the paired per-round figures."""
     runs = by_mode(results, engine)
@@ -563,13 +583,16 @@ def goals(results: dict[str, Any], engine: str) -> str:
                          f"{len(values)} round(s){verdict(values, goal)}.")  # fmt: skip
             continue
         assert against is not None
-        pairs = ratios(runs.get(against, []), runs.get(ours, []), figure)
+        if ours == BEST:
+            pairs, label = best_ratios(runs, against, figure), "the best of our modes at staleness <= 1"
+        else:
+            pairs, label = ratios(runs.get(against, []), runs.get(ours, []), figure), MODES[ours].label
         if not pairs:
-            lines.append(f"- {MODES[ours].label} against {MODES[against].label}, {FIGURES[figure]}: not measured (no "
+            lines.append(f"- {label} against {MODES[against].label}, {FIGURES[figure]}: not measured (no "
                          "round with a usable run of both) -- goal not shown.")  # fmt: skip
             continue
         lines.append(
-            f"- {MODES[ours].label} against {MODES[against].label} (goal >= {goal}x), {FIGURES[figure]} per trained "
+            f"- {label} against {MODES[against].label} (goal >= {goal}x), {FIGURES[figure]} per trained "
             f"token: {spread(pairs)}x over {len(pairs)} round(s){verdict(pairs, goal)}."
         )
     return "\n".join(lines)

@@ -46,6 +46,7 @@ from benchmarks._machine import git_commit, machine
 from verl_partial.config.partial import PRESETS
 from verl_partial.core.partial import scheduler
 from verl_partial.core.partial.finish import Finish
+from verl_partial.core.partial.on_policy import length_estimator
 from verl_partial.core.partial.pool import GroupState, RolloutPool, SegmentRequest, SegmentResult
 from verl_partial.sim.clock import run_virtual
 
@@ -185,8 +186,13 @@ def counting_wakeups(count: Counter[str]) -> Iterator[None]:
 
 
 async def _steps(prompts: int, n: int, steps: int, servers: int, workers: int, preset: str) -> list[dict[str, Any]]:
-    pool: RolloutPool[int] = RolloutPool(PRESETS[preset], group_size=n, batch_groups=prompts,
-                                         response_length=RESPONSE_LENGTH)  # fmt: skip
+    config = PRESETS[preset]
+    # longest_first (on_policy) and length windows need the estimator the glue builds; prompts are their own identity.
+    estimator = length_estimator(config, identity=lambda prompt: prompt)
+    # The stand-in decodes every call it holds at once, up to the router's max_calls_per_server: its slots.
+    pool: RolloutPool[int] = RolloutPool(config, group_size=n, batch_groups=prompts, response_length=RESPONSE_LENGTH,
+                                         priority=estimator.priority if estimator else None,
+                                         engine_slots=servers * config.max_calls_per_server)  # fmt: skip
     engine, source, out = StandInEngine(servers, workers), EndlessPrompts(), []
     with counting_wakeups(engine.count):
         for step in range(1, steps + 1):
@@ -195,6 +201,8 @@ async def _steps(prompts: int, n: int, steps: int, servers: int, workers: int, p
             started = time.process_time()
             result = await scheduler.run_step(pool, engine, source, step=step, version=step - 1)
             cpu = time.process_time() - started
+            if estimator is not None:
+                estimator.record(result.trained)
             counts = {key: engine.count[key] - before[key] for key in engine.count}
             ray = {key: counts.get(key, 0) for key in ("run_segments", *CONTROLS)}
             out.append({"step": step, "cpu_s": round(cpu, 3), "virtual_s": round(result.seconds, 1),

@@ -43,6 +43,8 @@ class Figure:
     source: str  # a file under benchmarks/results/
     label: Label
     value: Callable[[Mapping[str, Any]], str]
+    # A table the figure is read from (its figures are on the page once, there): the peer benchmark's modes.
+    table: Callable[[Mapping[str, Any]], str] | None = None
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,35 @@ def _gpu_step_curve(data: Mapping[str, Any]) -> str:
 def _span(values: list[float], spec: str) -> str:
     low, high = min(values), max(values)
     return f"{low:{spec}}" if f"{low:{spec}}" == f"{high:{spec}}" else f"{low:{spec}}-{high:{spec}}"
+
+
+def _peer_goals(data: Mapping[str, Any]) -> str:
+    """The goal verdicts of bench_peer.py, words only: their ratios are in the table below them."""
+    from benchmarks.bench_peer import goals
+
+    engine = _peer_engine(data)
+    lines = goals(dict(data), engine).splitlines()[1:]
+    return "; ".join(_verdict_words(line) for line in lines)
+
+
+def _verdict_words(line: str) -> str:
+    """``- <what> (goal >= x): <figures> -- goal met`` as ``<what> (goal >= x): met``."""
+    what, _, rest = line.lstrip("- ").partition(":")
+    verdict = rest.rpartition("-- ")[2].rstrip(".") if "-- " in rest else rest.strip().rstrip(".")
+    return f"{what}: {verdict}"
+
+
+def _peer_engine(data: Mapping[str, Any]) -> str:
+    engines = {run.get("engine", "cpu_vllm") for run in data["runs"]}
+    if len(engines) != 1:
+        raise ValueError(f"one engine per peer results file on the evidence page, found {sorted(engines)}")
+    return engines.pop()
+
+
+def _peer_table(data: Mapping[str, Any]) -> str:
+    from benchmarks.bench_peer import header, table
+
+    return header(dict(data)) + "\n\n" + table(dict(data), _peer_engine(data))
 
 
 def _scheduler_cpu(data: Mapping[str, Any]) -> str:
@@ -287,6 +318,7 @@ def render() -> str:
             "",
             f"**{value}** ({figure.label}, {origin.date}): {figure.claim}.",
             "",
+            *([figure.table(_load(figure.source)), ""] if figure.table is not None else []),
             f"- source: `benchmarks/results/{figure.source}`, commit: {origin.commit or 'not recorded'}",
             f"- command: `{origin.command}`",
             "",

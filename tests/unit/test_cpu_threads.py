@@ -43,7 +43,7 @@ def model(demo_assets) -> str:
     return model_override(demo_assets)
 
 
-@pytest.mark.parametrize("backend", ["cpu", "cpu_vllm", "cpu_sglang", "cpu_vllm_v1"])
+@pytest.mark.parametrize("backend", ["cpu", "cpu_vllm", "cpu_sglang", "cpu_vllm_v1", "cpu_v1"])
 def test_trainer_workers_get_the_machines_cores(model: str, backend: str) -> None:
     if cpu_threads() < 2:
         pytest.skip("one core: Ray's cap of 1 thread and the machine's cores cannot be told apart")

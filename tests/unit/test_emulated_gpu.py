@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import json
 
 import pytest
 import torch
@@ -18,7 +19,13 @@ from driver_entry import model_override, run_driver, task_runner_view
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from verl.workers.config import HFModelConfig, RolloutConfig
 
-from verl_partial.config.backend import EMULATE_GPU_CHOICES, EMULATE_GPU_ENV, BackendConfig, EmulatedGpu
+from verl_partial.config.backend import (
+    EMULATE_GPU_CHOICES,
+    EMULATE_GPU_ENV,
+    ENGINE_STATS_DIR_ENV,
+    BackendConfig,
+    EmulatedGpu,
+)
 from verl_partial.config.job import backend_config
 from verl_partial.cpu_backend.engine import CpuBatchedEngine, SamplingParams
 from verl_partial.cpu_backend.occupancy import full_step_seconds, phase_slots
@@ -182,9 +189,27 @@ def test_refused_where_vllm_runs_the_engine(model):
         run_driver("+backend=cpu_vllm_v1", "+" + EMULATE, model)
 
 
-def test_a_server_started_with_the_drivers_env_runs_the_modelled_engine(demo_assets, monkeypatch):
+V1_EMULATE = f"+ray_kwargs.ray_init.runtime_env.env_vars.{EMULATE_GPU_ENV}=H100-SXM/Qwen2.5-7B"
+
+
+def test_on_verls_v1_trainer_the_env_var_is_the_setting(model):
+    """``+backend=cpu_v1`` carries no backend block: the env var is set directly, and reaches every Ray process."""
+    config = task_runner_view(run_driver("+backend=cpu_v1", V1_EMULATE, model).config)
+    assert config.trainer.use_v1 is True and config.actor_rollout_ref.rollout.name == "cpu"
+    assert config.ray_kwargs.ray_init.runtime_env.env_vars[EMULATE_GPU_ENV] == "H100-SXM/Qwen2.5-7B"
+
+
+def test_the_env_var_is_checked_as_strictly_as_the_typed_key(model):
+    with pytest.raises(ValueError, match=r"CPU engine only \(actor_rollout_ref.rollout.name=cpu\)"):
+        run_driver("+backend=cpu_vllm_v1", V1_EMULATE, model)  # vLLM would ignore it in silence
+    with pytest.raises(ValueError, match=r"backend.emulate_gpu.*H100-SXM/Qwen2.5-7B"):  # names the allowed values
+        run_driver("+backend=cpu_v1", V1_EMULATE.replace("H100-SXM", "A100"), model)
+
+
+def test_a_server_started_with_the_drivers_env_runs_the_modelled_engine(demo_assets, monkeypatch, tmp_path):
     """What a Ray-launched server does: read ``VERL_PARTIAL_EMULATE_GPU``; its ``engine_stats`` carry the setting."""
     monkeypatch.setenv(EMULATE_GPU_ENV, "H100-SXM/Qwen2.5-7B")
+    monkeypatch.setenv(ENGINE_STATS_DIR_ENV, str(tmp_path))
     config = RolloutConfig(name="cpu", prompt_length=32, response_length=8, max_num_seqs=4)
     server = CpuRolloutServer(
         config=config, model_config=HFModelConfig(path=str(demo_assets.model_dir)), replica_rank=0
@@ -202,3 +227,6 @@ def test_a_server_started_with_the_drivers_env_runs_the_modelled_engine(demo_ass
     # The prefill of 3 tokens, then 3 decodes at contexts 4, 5, 6: the simulator's step times for these shapes.
     expected = spec.step_seconds(0, 0.0, 3, 4.5) + sum(spec.step_seconds(1, float(c)) for c in (4, 5, 6))
     assert stats["modelled_s"] == pytest.approx(expected)
+    # What a benchmark reads under any trainer (verl's own never ask): the same counters, written as the loop ended.
+    written = json.loads((tmp_path / "engine-0.json").read_text())
+    assert written == {key: stats[key] for key in written} and written["steps"] == 4
