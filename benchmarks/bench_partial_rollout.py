@@ -307,6 +307,7 @@ class PartialMode:
             group_size=workload.group_size,
             batch_groups=workload.batch_groups,
             response_length=workload.response_length,
+            engine_slots=engine.max_num_seqs,  # one engine
         )
         self.backend = EngineSegmentBackend(engine, workload)
         self.source = StreamSource(workload)

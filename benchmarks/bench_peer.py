@@ -713,7 +713,7 @@ def measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
 
     engines = _engine_settings(args)
     names = args.modes.split(",")
-    wl = Workload(steps=args.steps, **MODEL_SHAPES[args.model])
+    wl = Workload(steps=args.steps, slots=args.slots, **MODEL_SHAPES[args.model])
     settings = RunSettings(threads=args.threads)
     paths = build_assets(args.work_dir / "assets", wl)
     try:
@@ -768,6 +768,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", choices=sorted(MODEL_SHAPES), default="peer",
                         help="the random model's shape: 'peer' (24 M), 'tiny' (for the emulated GPU: its forward "
                         "must fit inside the modelled step)")  # fmt: skip
+    parser.add_argument("--slots", type=int, default=Workload().slots,
+                        help="engine slots (rollout.max_num_seqs): above (1 + max_staleness) x the batch's samples, "
+                        "a server that never fills")  # fmt: skip
     parser.add_argument("--steps", type=int, default=12, help="trainer steps per run (steps >= 2 are measured)")
     parser.add_argument("--rounds", type=int, default=MIN_ROUNDS, help="times every engine and mode runs, interleaved")
     parser.add_argument(

@@ -137,6 +137,26 @@ def _peer_table(data: Mapping[str, Any]) -> str:
     return header(dict(data)) + "\n\n" + table(dict(data), _peer_engine(data))
 
 
+def _sim_fill(data: Mapping[str, Any]) -> str:
+    from benchmarks.sim_fill_engine import summary
+
+    return summary(list(data["rows"]))
+
+
+def _sim_check(data: Mapping[str, Any]) -> str:
+    """How many modes the simulator predicts within 10 %, and its largest miss."""
+    rows = [row for row in data["rows"] if row.get("miss") is not None]
+    within = sum(1 for row in rows if abs(row["miss"]) <= 0.10)
+    worst = max(rows, key=lambda row: abs(row["miss"]))
+    return f"within 10 % for {within} of {len(rows)} modes; largest miss {worst['miss']:+.0%} ({worst['mode']})"
+
+
+def _sim_check_table(data: Mapping[str, Any]) -> str:
+    from benchmarks.sim_check_emulated import table
+
+    return table(dict(data))
+
+
 def _scheduler_cpu(data: Mapping[str, Any]) -> str:
     """Driver CPU seconds and scheduler wake-ups per step, over bench_scheduler_cost.py's steps."""
     wl, steps = data["workload"], data["steps"]
@@ -166,7 +186,9 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         id="gpu-h200-engine",
         claim="our PyTorch engine (not vLLM) on one H200, random 1.1B Llama in bf16, 256 requests in flight, 8 steps, "
-        "imposed long-tail answers (median 64, p99/p50 8, cap 512): rollout phase per trained token against sync",
+        "imposed long-tail answers (median 64, p99/p50 8, cap 512): rollout phase per trained token against sync; "
+        "`default` and `tail` as they were at that commit, admitting by finished groups (they now also fill the "
+        "engine's free slots, `partial.fill_engine`)",
         source="gpu_engine_curve_h200.jsonl",
         label="measured",
         value=_gpu_modes,
@@ -192,6 +214,37 @@ FIGURES: tuple[Figure, ...] = (
         source="learning_curves_tail_on_policy.json",
         label="measured",
         value=lambda data: _final_rewards(data, "sync", "tail_on_policy"),
+    ),
+    Figure(
+        id="peer-emulated",
+        claim="every mode through verl's trainers (v0: ours and sync; v1: sync and colocate_async at our bound and at "
+        "verl's defaults, each with and without its 2 s poll) on our CPU engine emulating a 32B model on one H20, "
+        "interleaved rounds under the one harness; the goals of issue 25, verdicts from the paired per-round figures "
+        "of the table below (rollout phase per trained token unless named)",
+        source="peer_emulated.json",
+        label="emulated",
+        value=_peer_goals,
+        table=_peer_table,
+    ),
+    Figure(
+        id="sim-fill-engine",
+        claim="`+partial=default` (admission by the engines' free slots, `fill_engine`) against the same preset "
+        "admitting by finished groups, and against sync: the real scheduler over the simulator's vLLM servers (7B on "
+        "H100s, 256 slots each; lengths median 1,000, p99/p50 8), rollout phase per trained token, seeds 0-2, on a "
+        "server that never fills (32 x 8 samples, 2 servers) and one that queues (64 x 8, 1 server)",
+        source="sim_fill_engine.json",
+        label="simulated",
+        value=_sim_fill,
+    ),
+    Figure(
+        id="sim-vs-emulated",
+        claim="the simulator (parameters frozen, the emulated GPU's step-time model, the peer workload's lengths, "
+        "seeds 0-4) beside the emulated engine's rollout phase per trained token; it checks the scheduler model and "
+        "what the simulator leaves out, not the GPU curve (the two share it)",
+        source="sim_check_emulated.json",
+        label="simulated",
+        value=_sim_check,
+        table=_sim_check_table,
     ),
     Figure(
         id="scheduler-driver-cpu",

@@ -384,6 +384,7 @@ class ModeRun:
             batch_groups=workload.batch,
             response_length=workload.response_length,
             priority=self.estimator.priority if self.estimator else None,
+            engine_slots=engine.max_num_seqs,  # one engine
         )
         self.backend = EngineSegmentBackend(engine, ImposedLengths(workload))  # type: ignore[arg-type]
         self.source = TokenPromptCycle(workload, vocab)

@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._machine import git_commit, machine
-from benchmarks.bench_peer import MODES, by_mode, emulated_gpu, merge_results, workload_of
+from benchmarks.bench_peer import MODES, by_mode, emulated_gpu, merge_results, overran, usable, workload_of
 from verl_partial.config.partial import PRESETS, PartialConfig
-from verl_partial.sim.run import mode_configs, simulate
+from verl_partial.sim.run import ceiling, mode_configs, simulate
 from verl_partial.sim.workload import Workload as SimWorkload
 
 SEEDS = (0, 1, 2, 3, 4)
@@ -51,14 +51,17 @@ def sim_configs(batch: int) -> dict[str, PartialConfig]:
     }
 
 
-def predict(results: dict[str, Any], engine: str, prompt_len: int) -> dict[str, list[float]]:
-    """Rollout ms per trained token per mode and seed, over the benchmark's measured steps."""
+def predict(results: dict[str, Any], engine: str, prompt_len: int) -> tuple[dict[str, list[float]], list[float]]:
+    """Rollout ms per trained token per mode and seed, over the benchmark's measured steps; and per seed, the highest
+    rollout speed-up over sync that any colocated schedule at staleness <= 1 could reach on the batches ``default``
+    trained (``verl_partial.sim.run.ceiling``: the bound covers those batch compositions, not regrouped ones)."""
     wl = workload_of(results)
     gpu = emulated_gpu(results, engine)
     if gpu is None:
         raise SystemExit(f"{engine}: the results hold no emulated GPU override; nothing to simulate")
     spec = gpu.server_spec(wl.slots)
     out: dict[str, list[float]] = {}
+    runs: dict[tuple[str, int], Any] = {}
     for name, config in sim_configs(wl.prompts).items():
         if name not in {run["mode"] for run in results["runs"]}:
             continue
@@ -76,7 +79,29 @@ def predict(results: dict[str, Any], engine: str, prompt_len: int) -> dict[str, 
             )
             run = simulate(config, sim_wl, spec, servers=1, steps=wl.steps).steady(wl.first_measured - 1)
             out.setdefault(name, []).append(1e3 * sum(run.seconds) / sum(run.tokens_trained))
-    return out
+            runs[name, seed] = (run, sim_wl)
+    bounds = [
+        ceiling(runs["v0_sync", seed][0], runs["default", seed][0], runs["default", seed][1], spec, 1, max_staleness=1)
+        for seed in SEEDS
+        if ("v0_sync", seed) in runs and ("default", seed) in runs
+    ]
+    return out, bounds
+
+
+def busy_share(results: dict[str, Any], engine: str, mode: str) -> list[float]:
+    """Per run, the engine's modelled step time over the trainer's rollout phases (every step, as the counters are
+    cumulative): the share of the phase the simulator models at all. The rest is the engine idle inside the phase
+    (Ray, the agent loops, the step end, weight sync hand-off), which the simulator leaves out. The counters are
+    written every 200 engine steps, so the last few seconds of a run may be missing: a slight underestimate."""
+    shares = []
+    for run in results["runs"]:
+        if run.get("engine") != engine or run["mode"] != mode or overran(run) or not usable(run):
+            continue
+        phase = sum(float(step["timing_s/gen"]) for step in run["steps"].values() if "timing_s/gen" in step)
+        modelled = sum(stats["modelled_s"] for stats in run.get("engine_stats", []))
+        if phase > 0 and modelled > 0:
+            shares.append(modelled / phase)
+    return shares
 
 
 def spread(values: list[float]) -> str:
@@ -84,21 +109,27 @@ def spread(values: list[float]) -> str:
 
 
 def compare(results: dict[str, Any], engine: str, prompt_len: int) -> dict[str, Any]:
-    predicted = predict(results, engine, prompt_len)
+    predicted, bounds = predict(results, engine, prompt_len)
     measured = {name: [r.gen_ms_per_token for r in runs] for name, runs in by_mode(results, engine).items()}
     rows = []
     for name in [m for m in MODES if m in measured or m in predicted]:
-        row: dict[str, Any] = {"mode": name, "measured": measured.get(name), "predicted": predicted.get(name)}
+        row: dict[str, Any] = {
+            "mode": name,
+            "measured": measured.get(name),
+            "predicted": predicted.get(name),
+            "engine_busy_share": busy_share(results, engine, name),
+        }
         if row["measured"] and row["predicted"]:
             row["miss"] = statistics.fmean(row["predicted"]) / statistics.fmean(row["measured"]) - 1.0
         rows.append(row)
-    return {"engine": engine, "prompt_len": prompt_len, "seeds": list(SEEDS), "rows": rows}
+    return {"engine": engine, "prompt_len": prompt_len, "seeds": list(SEEDS), "rows": rows, "ceiling_vs_sync": bounds}
 
 
 def table(report: dict[str, Any]) -> str:
     lines = [
-        "| mode | measured rollout ms / trained token (rounds) | simulated (seeds) | simulated / measured - 1 |",
-        "|---|---:|---:|---:|",
+        "| mode | measured rollout ms / trained token (rounds) | simulated (seeds) | simulated / measured - 1 | "
+        "measured: engine busy share of the phase |",
+        "|---|---:|---:|---:|---:|",
     ]
     for row in report["rows"]:
         miss = row.get("miss")
@@ -106,8 +137,17 @@ def table(report: dict[str, Any]) -> str:
         lines.append(
             f"| {MODES[row['mode']].label} | {spread(row['measured']) if row['measured'] else 'not run'} | "
             f"{spread(row['predicted']) if row['predicted'] else 'no simulator model'} | "
-            f"{'-' if miss is None else f'{miss:+.0%}'}{flag} |"
+            f"{'-' if miss is None else f'{miss:+.0%}'}{flag} | "
+            f"{spread(row['engine_busy_share']) if row['engine_busy_share'] else '-'} |"
         )
+    if report.get("ceiling_vs_sync"):
+        lines += [
+            "",
+            f"Ceiling at staleness <= 1: no colocated schedule training the batches `default` trained (simulated, "
+            f"seeds {report['seeds'][0]}-{report['seeds'][-1]}) can make the rollout phase more than "
+            f"{spread(report['ceiling_vs_sync'])}x faster than sync's (verl_partial/sim/bound.py: the longest answer's "
+            "steps over the staleness window, and the work on one server).",
+        ]
     return "\n".join(lines)
 
 

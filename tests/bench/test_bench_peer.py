@@ -141,3 +141,42 @@ def test_occupancy_is_read_from_the_keys_the_engine_logs(peer: ModuleType) -> No
     steps = [{**busy, "partial/tokens_trained": 50.0}, {**idle, "partial/tokens_trained": 30.0}]
     assert peer.read_engine_counters(steps) == {"slot_occupancy": pytest.approx(80.0 / 100.0)}
     assert peer.read_engine_counters([{"partial/tokens_trained": 50.0}]) is None
+
+
+EMULATED = {"cpu": {"label": "emulated", "overrides": [
+    "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_PARTIAL_EMULATE_GPU=H20/Qwen2.5-32B"]}}  # fmt: skip
+
+
+def _emulated(run: dict, steps: int, overruns: int) -> dict:
+    return {**run, "engine": "cpu", "engine_stats": [{"steps": steps, "overruns": overruns, "modelled_s": 1.0}]}
+
+
+def test_an_emulated_run_that_overran_gives_no_figure(peer: ModuleType) -> None:
+    """1 % or more of the engine's steps outlasting the modelled step: the run is left out and counted as overran."""
+    results = {"workload": dataclasses.asdict(peer.Workload(steps=3)), "engines": EMULATED, "modes": ["v0_sync"],
+               "runs": [_emulated(_run("v0_sync", 2.0, 4.0, 50.0, 0), 1000, 9),
+                        _emulated(_run("v0_sync", 2.0, 4.0, 50.0, 1), 1000, 10)]}  # fmt: skip
+    assert [r.round for r in peer.by_mode(results, "cpu")["v0_sync"]] == [0]
+    assert "(1 overran)" in peer.table(results, "cpu")
+    results["runs"][0]["engine_stats"] = []  # no counters: nothing shows the steps fitted
+    assert "v0_sync" not in peer.by_mode(results, "cpu")
+
+
+def test_occupancy_on_the_emulated_engine_is_one_formula_for_every_mode(peer: ModuleType) -> None:
+    """Trained tokens over the slots x full-batch steps the phase could hold, whatever the trainer logged."""
+    wl = peer.Workload(steps=3)
+    gpu = peer.EmulatedGpu.parse("H20/Qwen2.5-32B")
+    got = peer.figures(_run("v1_sync", 2.0, 4.0, 50.0), wl, gpu)
+    full = gpu.server_spec(wl.slots).step_seconds(wl.slots, wl.slots * (wl.max_prompt_length + wl.lengths.mean() / 2))
+    assert got.occupancy == pytest.approx(64 * 50.0 * full / (wl.slots * 2.0))
+
+
+def test_the_best_of_our_bounded_modes_is_taken_round_by_round(peer: ModuleType) -> None:
+    wl = peer.Workload(steps=3)
+    runs = {
+        "v1_async_bound": [peer.figures(_run("v1_async_bound", 2.0, 4.0, 50.0, r), wl) for r in (0, 1)],
+        "default": [peer.figures(_run("default", 1.0, 4.0, 50.0, r), wl) for r in (0, 1)],
+        "default_extra": [peer.figures(_run("default_extra", g, 4.0, 50.0, r), wl) for r, g in ((0, 0.5), (1, 4.0))],
+        "kimi": [peer.figures(_run("kimi", 0.1, 4.0, 50.0, r), wl) for r in (0, 1)],  # staleness 8: not counted
+    }
+    assert peer.best_ratios(runs, "v1_async_bound", "rollout") == pytest.approx([4.0, 2.0])

@@ -405,7 +405,7 @@ def test_step_end_with_calls_queued_and_in_transit_takes_them_back_without_cance
     config = PartialConfig(extra_groups=2, staleness_policy="keep", request_timeout_s=30.0, abort_grace_s=0.5)
     servers = [virtual_server(demo_assets, replica_rank=i, max_num_seqs=2) for i in range(2)]
     backend = CpuServersBackend(servers, transit=lambda key: 0.0 if key != "p1" else 1.5)
-    pool = RolloutPool(config, group_size=4, batch_groups=1, response_length=32)
+    pool = RolloutPool(config, group_size=4, batch_groups=1, response_length=32, engine_slots=2 * 2)
     source = iter([(prompt(demo_assets, count), f"p{i}") for i, count in enumerate((3, 30, 40, 50))])
 
     class Source:
@@ -487,7 +487,7 @@ def test_a_server_that_stops_producing_is_taken_back_and_its_tokens_kept(demo_as
     config = PartialConfig(extra_groups=0, staleness_policy="keep", request_timeout_s=1.0, abort_grace_s=0.5)
     servers = [virtual_server(demo_assets, replica_rank=i, max_num_seqs=4) for i in range(2)]
     backend = CpuServersBackend(servers, transit=lambda key: 0.0)
-    pool = RolloutPool(config, group_size=4, batch_groups=2, response_length=64)
+    pool = RolloutPool(config, group_size=4, batch_groups=2, response_length=64, engine_slots=2 * 4)
     source = iter([(prompt(demo_assets, count), f"p{i}") for i, count in enumerate((30, 40, 50))])
 
     class Source:
