@@ -131,6 +131,15 @@ def _peer_engine(data: Mapping[str, Any]) -> str:
     return engines.pop()
 
 
+def _peer_fill(data: Mapping[str, Any]) -> str:
+    """fill_engine's gain: admission by finished groups' time per trained token over default's, round by round."""
+    from benchmarks.bench_peer import by_mode, speedup
+
+    runs = by_mode(dict(data), _peer_engine(data))
+    base, fill = runs.get("default_by_groups", []), runs.get("default", [])
+    return f"rollout phase {speedup(base, fill, 'rollout')}, whole step {speedup(base, fill, 'step')}"
+
+
 def _peer_table(data: Mapping[str, Any]) -> str:
     from benchmarks.bench_peer import header, table
 
@@ -224,6 +233,16 @@ FIGURES: tuple[Figure, ...] = (
         source="peer_emulated.json",
         label="emulated",
         value=_peer_goals,
+        table=_peer_table,
+    ),
+    Figure(
+        id="peer-emulated-fill",
+        claim="the same engine and harness on a server that never fills (256 slots for 64 samples a step): "
+        "`+partial=default` (`fill_engine`) against the same preset admitting by finished groups, per trained token, "
+        "paired by round (table below)",
+        source="peer_emulated_fill.json",
+        label="emulated",
+        value=_peer_fill,
         table=_peer_table,
     ),
     Figure(
