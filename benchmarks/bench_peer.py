@@ -723,8 +723,11 @@ def measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     stored = json.loads(args.json.read_text()) if args.json and args.json.exists() else None
     if stored is not None and stored["workload"] != dataclasses.asdict(wl):
         raise SystemExit(f"{args.json} holds another workload: resume with its own --steps, or write a new file")
+    command = ("python -m benchmarks.bench_peer " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
     results: dict[str, Any] = {
-        "command": ("python -m benchmarks.bench_peer " + " ".join(argv if argv is not None else sys.argv[1:])).strip(),
+        "command": command,
+        # every invocation that added runs to this file, oldest first ("command" is the last)
+        "commands": [*(stored or {}).get("commands", []), command],
         "machine": machine(),
         "transfer_queue": queue,
         "checkout": checkout(),

@@ -45,6 +45,7 @@ class Figure:
     value: Callable[[Mapping[str, Any]], str]
     # A table the figure is read from (its figures are on the page once, there): the peer benchmark's modes.
     table: Callable[[Mapping[str, Any]], str] | None = None
+    image: str | None = None  # a plot under docs/ drawn from the same results (bench_peer.py --plot)
 
 
 @dataclass(frozen=True)
@@ -234,6 +235,7 @@ FIGURES: tuple[Figure, ...] = (
         label="emulated",
         value=_peer_goals,
         table=_peer_table,
+        image="img/peer_emulated.png",
     ),
     Figure(
         id="peer-emulated-fill",
@@ -391,6 +393,7 @@ def render() -> str:
             f"**{value}** ({figure.label}, {origin.date}): {figure.claim}.",
             "",
             *([figure.table(_load(figure.source)), ""] if figure.table is not None else []),
+            *([f"![{figure.id}]({figure.image})", ""] if figure.image is not None else []),
             f"- source: `benchmarks/results/{figure.source}`, commit: {origin.commit or 'not recorded'}",
             f"- command: `{origin.command}`",
             "",
