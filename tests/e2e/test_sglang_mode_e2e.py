@@ -34,7 +34,7 @@ pytestmark = pytest.mark.e2e
 BACKEND = "cpu_sglang"
 STEPS, GROUPS, N = 4, 8, 4
 # As test_partial_e2e: groups admitted at the step start plus 4 extra, so every step end parks samples with tokens.
-PINNED_ADMISSION = ("partial.refill=false", "partial.extra_groups=4")
+PINNED_ADMISSION = ("partial.refill=false", "partial.extra_groups=4", "partial.fill_engine=false")
 
 
 def stop_ids(model_dir: Path) -> set[int]:
