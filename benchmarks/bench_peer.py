@@ -51,6 +51,7 @@ from benchmarks.bench_vllm_trainer import (
     REPO,
     TARGET_ENV,
     ImposedLengthAgentLoop,
+    Lengths,
     Workload,
     build_assets,
     machine,
@@ -166,6 +167,9 @@ MODES: dict[str, PeerMode] = {
         PeerMode("on_policy", "ours `+partial=on_policy`", "v0", "on_policy"),
         PeerMode("kimi", "ours `+partial=kimi`", "v0", "kimi"),
         PeerMode("restart", "ours `+partial=restart`", "v0", "restart"),
+        # Length-aware windows (item 6): they need earlier epochs, so ``--train-rows`` small enough for several.
+        PeerMode("tail", "ours `+partial=tail`", "v0", "tail"),
+        PeerMode("tail_on_policy", "ours `+partial=tail_on_policy`", "v0", "tail_on_policy"),
         PeerMode("v1_sync", "v1 sync", "v1", overrides=(V1_SYNC,)),
         PeerMode(
             "v1_sync_fastpoll", "v1 sync, poll 0.05 s", "v1", overrides=(V1_SYNC, *_fast_poll("FastPollReplayBuffer"))
@@ -214,6 +218,8 @@ class SessionImposedLengthAgentLoop(ImposedLengthAgentLoop):
     """
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> Any:
+        if Lengths.from_env().per_epoch:
+            raise NotImplementedError("epoch-correlated lengths need each sample's epoch, which v1's loop is not told")
         kwargs["priority"] = int(kwargs["session_id"])
         return await super().run(sampling_params, **kwargs)
 
@@ -277,9 +283,12 @@ def command_for(
 
 def run_mode(
     mode: PeerMode, engine: str, paths: dict[str, Path], wl: Workload, run_dir: Path, settings: RunSettings,
-    extra: tuple[str, ...] = (),
+    extra: tuple[str, ...] = (), lengths: Lengths | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """The engine's calibration probe, then one trainer run through the harness (lock, environment, machine record)."""
+    """The engine's calibration probe, then one trainer run through the harness (lock, environment, machine record).
+
+    ``lengths``: this run's imposed lengths when they differ from the workload's (``--seeds-by-round``)."""
+    lengths = lengths or wl.lengths
     import shutil
 
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -288,7 +297,7 @@ def run_mode(
     probe = calibration_probe(engine, paths["model"])
     stats_dir = run_dir / "engine_stats"
     stats_dir.mkdir()
-    env = run_env(settings, run_dir, {TARGET_ENV: wl.lengths.env(), ENGINE_STATS_DIR_ENV: str(stats_dir)})
+    env = run_env(settings, run_dir, {TARGET_ENV: lengths.env(), ENGINE_STATS_DIR_ENV: str(stats_dir)})
     record = run_trainer(command, run_dir, env, settings)
     # Our engine's counters, whatever the trainer (verl's own never ask for them): engine steps and overruns.
     record["engine_stats"] = [json.loads(path.read_text()) for path in sorted(stats_dir.glob("engine-*.json"))]
@@ -297,7 +306,7 @@ def run_mode(
           f"{probe.get('seconds', 'failed')} s, other processes {record['machine']['other_cores_mean']} cores, "
           f"worker (OMP, torch) threads {threads}{', REJECTED: ' + record['rejected'] if record['rejected'] else ''}",
           flush=True)  # fmt: skip
-    return {"engine": engine, "mode": mode.name, "probe": probe, **record}
+    return {"engine": engine, "mode": mode.name, "probe": probe, "lengths_seed": lengths.seed, **record}
 
 
 # ---------------------------------------------------------------------------------------------- figures
@@ -466,20 +475,67 @@ def overran(run: dict[str, Any]) -> bool:
     return fraction is None or fraction >= MAX_OVERRUN_FRACTION
 
 
+def kept_runs(results: dict[str, Any], engine: str = "cpu_vllm") -> list[dict[str, Any]]:
+    """The runs on ``engine`` that give figures, in round order: usable, and on an emulated engine not overran."""
+    gpu = emulated_gpu(results, engine)
+    return [
+        run
+        for run in sorted(results["runs"], key=lambda run: run.get("round", 0))
+        if run.get("engine", "cpu_vllm") == engine and usable(run) and not (gpu is not None and overran(run))
+    ]
+
+
 def by_mode(results: dict[str, Any], engine: str = "cpu_vllm") -> dict[str, list[RunFigures]]:
     """Every usable run's figures on ``engine``, by mode, in round order."""
-    wl = workload_of(results)
+    wl, gpu = workload_of(results), emulated_gpu(results, engine)
     out: dict[str, list[RunFigures]] = {}
-    for run in sorted(results["runs"], key=lambda run: run.get("round", 0)):
-        if run.get("engine", "cpu_vllm") != engine:
-            continue
-        gpu = emulated_gpu(results, engine)
-        if gpu is not None and overran(run):
-            continue
+    for run in kept_runs(results, engine):
         got = figures(run, wl, gpu)
         if got is not None:
             out.setdefault(run["mode"], []).append(got)
     return out
+
+
+def window_length_ratios(results: dict[str, Any], engine: str, mode: str, window: int) -> list[float]:
+    """Mean trained response length of ``mode`` over v0 sync's, per window of ``window`` steps (steps 1..window,
+    ...), paired by round; only windows both runs trained whole. Every step trains the same rows, so a window's
+    mean length is the mean of its steps' ``response_length/mean``."""
+    runs = kept_runs(results, engine)
+    sync = {int(run.get("round", 0)): run["steps"] for run in runs if run["mode"] == "v0_sync"}
+    out = []
+    for run in (run for run in runs if run["mode"] == mode and int(run.get("round", 0)) in sync):
+        base = sync[int(run.get("round", 0))]
+        last = max(int(step) for step in run["steps"])
+        for start in range(1, last - window + 2, window):
+            window_steps = [str(step) for step in range(start, start + window)]
+            if all("response_length/mean" in steps.get(k, {}) for steps in (base, run["steps"]) for k in window_steps):
+                ours = statistics.fmean(float(run["steps"][k]["response_length/mean"]) for k in window_steps)
+                theirs = statistics.fmean(float(base[k]["response_length/mean"]) for k in window_steps)
+                out.append(ours / theirs)
+    return out
+
+
+def length_windows(results: dict[str, Any], engine: str) -> str:
+    """What length-aware windows do to the data: our modes' trained length per window of ``length_window_steps``
+    (the length-aware presets' window; 4) against v0 sync's over the same steps of the same round."""
+    from verl_partial.config.partial import PRESETS
+
+    window = PRESETS["tail"].length_window_steps
+    rows = [
+        (name, window_length_ratios(results, engine, name, window)) for name in MODES if MODES[name].partial is not None
+    ]
+    rows = [(name, values) for name, values in rows if values]
+    if not rows:
+        return ""
+    lines = [
+        f"Trained response length per window of {window} steps over v0 sync's, same round, same steps "
+        "(1.00: the same lengths trained; a window is the length-aware presets' unit of reordering):",
+        "",
+        "| mode | windows | trained length vs v0 sync, mean (min-max over windows and rounds) |",
+        "|---|---:|---:|",
+    ]
+    lines += [f"| {MODES[name].label} | {len(values)} | {spread(values)} |" for name, values in rows]
+    return "\n".join(lines)
 
 
 def engines_of(results: dict[str, Any]) -> list[str]:
@@ -599,8 +655,6 @@ def goals(results: dict[str, Any], engine: str) -> str:
 
 
 def workload_of(results: dict[str, Any]) -> Workload:
-    from benchmarks.bench_vllm_trainer import Lengths
-
     stored = results["workload"]
     return Workload(**{k: v for k, v in stored.items() if k != "lengths"}, lengths=Lengths(**stored["lengths"]))
 
@@ -616,7 +670,8 @@ def header(results: dict[str, Any]) -> str:
         f"{results.get('transfer_queue', '')}; verl-partial {results.get('checkout', '?')}. Engines: {engines}. "
         f"Command: `{results['command']}`. Model: random Qwen2, {results['parameters'] / 1e6:.1f} M parameters, "
         f"fp32; {wl['prompts']} prompts x n = {wl['n']} per step, {wl['slots']} engine slots; lengths lognormal "
-        f"(median {wl['lengths']['median']:g}, sigma {wl['lengths']['sigma']:g}, cap {wl['lengths']['cap']}), imposed. "
+        f"(median {wl['lengths']['median']:g}, sigma {wl['lengths']['sigma']:g}, cap {wl['lengths']['cap']}), imposed, "
+        f"{_length_history(results)}. "
         f"{wl['steps']} steps per run, steps >= {wl['first_measured']} measured; every run under the one heavy-run "
         f"lock with {results.get('threads', '?')} threads in every process of every mode (benchmarks/harness.py); "
         f"modes interleaved in {results['rounds']} round(s); ranges are min-max over rounds; speed-ups pair runs of "
@@ -627,6 +682,17 @@ def header(results: dict[str, Any]) -> str:
             else ""
         )
     )
+
+
+def _length_history(results: dict[str, Any]) -> str:
+    """What an earlier epoch tells about a sample's length, in words, for the header."""
+    wl = workload_of(results)
+    epoch = f"{wl.train_rows} prompts in the data set ({wl.train_rows // wl.prompts} steps an epoch)"
+    seeds = "; round r draws the lengths of seed r" if results.get("seeds_by_round") else ""
+    if wl.lengths.per_epoch:
+        return (f"drawn per prompt, sample and epoch with correlation {wl.lengths.epoch_corr:g} between epochs (log "
+                f"scale); {epoch}{seeds}")  # fmt: skip
+    return f"a pure function of prompt and sample, the same every epoch (an oracle history); {epoch}{seeds}"
 
 
 def smoke(results: dict[str, Any]) -> bool:
@@ -706,6 +772,22 @@ def _engine_settings(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     return out
 
 
+def workload(args: argparse.Namespace) -> Workload:
+    """The workload the options describe; epoch-correlated lengths count epochs in steps of ``--train-rows``."""
+    prompts = Workload().prompts
+    if args.train_rows % prompts:
+        raise SystemExit(f"--train-rows {args.train_rows}: must be a multiple of the {prompts} prompts per step")
+    per_epoch = (
+        {"epoch_corr": args.epoch_corr, "epoch_steps": args.train_rows // prompts} if args.epoch_corr < 1 else {}
+    )
+    return Workload(steps=args.steps, slots=args.slots, train_rows=args.train_rows, lengths=Lengths(**per_epoch),
+                    **MODEL_SHAPES[args.model])  # fmt: skip
+
+
+def round_lengths(wl: Workload, round_: int, seeds_by_round: bool) -> Lengths:
+    return dataclasses.replace(wl.lengths, seed=wl.lengths.seed + round_) if seeds_by_round else wl.lengths
+
+
 def measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     """Rounds of every engine and mode, interleaved; the JSON is rewritten after each run, and a run already stored
     usable in it is skipped (a stopped command continues where it stopped)."""
@@ -713,7 +795,7 @@ def measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
 
     engines = _engine_settings(args)
     names = args.modes.split(",")
-    wl = Workload(steps=args.steps, slots=args.slots, **MODEL_SHAPES[args.model])
+    wl = workload(args)
     settings = RunSettings(threads=args.threads)
     paths = build_assets(args.work_dir / "assets", wl)
     try:
@@ -721,8 +803,9 @@ def measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     except PackageNotFoundError:
         queue = "no TransferQueue"
     stored = json.loads(args.json.read_text()) if args.json and args.json.exists() else None
-    if stored is not None and stored["workload"] != dataclasses.asdict(wl):
-        raise SystemExit(f"{args.json} holds another workload: resume with its own --steps, or write a new file")
+    if stored is not None and (workload_of(stored) != wl or stored.get("seeds_by_round", False) != args.seeds_by_round):
+        raise SystemExit(f"{args.json} holds another workload: resume with its own --steps, --model, --slots, "
+                         "--train-rows, --epoch-corr and --seeds-by-round, or write a new file")  # fmt: skip
     command = ("python -m benchmarks.bench_peer " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
     results: dict[str, Any] = {
         "command": command,
@@ -732,6 +815,8 @@ def measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         "transfer_queue": queue,
         "checkout": checkout(),
         "workload": dataclasses.asdict(wl),
+        # round r imposes the lengths of seed ``workload.lengths.seed + r``: rounds are seeds, not repeats
+        "seeds_by_round": args.seeds_by_round,
         "parameters": int((paths["model"].parent / "done").read_text()),
         "threads": settings.threads,
         "lock": str(lock_path()),
@@ -752,7 +837,8 @@ def measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
           f"{ {e: sorted(set(names) - set(r)) for e, r in runnable.items()} }", flush=True)  # fmt: skip
     for round_, engine, name in todo:
         run_dir = args.work_dir / "runs" / f"r{round_}-{engine}-{name}"
-        run = run_mode(MODES[name], engine, paths, wl, run_dir, settings, tuple(engines[engine]["overrides"]))
+        run = run_mode(MODES[name], engine, paths, wl, run_dir, settings, tuple(engines[engine]["overrides"]),
+                       round_lengths(wl, round_, args.seeds_by_round))  # fmt: skip
         results["set_aside"] += [r for r in results["runs"] if run_key(r) == (round_, engine, name)]
         results["runs"] = [r for r in results["runs"] if run_key(r) != (round_, engine, name)] + [
             {**run, "round": round_}
@@ -775,6 +861,17 @@ def main(argv: list[str] | None = None) -> None:
                         help="engine slots (rollout.max_num_seqs): above (1 + max_staleness) x the batch's samples, "
                         "a server that never fills")  # fmt: skip
     parser.add_argument("--steps", type=int, default=12, help="trainer steps per run (steps >= 2 are measured)")
+    parser.add_argument("--train-rows", type=int, default=Workload().train_rows,
+                        help="prompts in the data set: train_rows / 16 steps make an epoch (length-aware modes need "
+                        "earlier epochs)")  # fmt: skip
+    parser.add_argument("--epoch-corr", type=float, default=1.0,
+                        help="correlation of a sample's log-length between epochs, in [0, 1]; 1 (default) repeats "
+                        "every length each epoch: an oracle history (v0 trainer only below 1)")  # fmt: skip
+    parser.add_argument(
+        "--seeds-by-round",
+        action="store_true",
+        help="round r imposes lengths of seed r: rounds are seeds of the length draw",
+    )
     parser.add_argument("--rounds", type=int, default=MIN_ROUNDS, help="times every engine and mode runs, interleaved")
     parser.add_argument(
         "--first-round", type=int, default=0, help="number of the first round (add rounds to stored results)"
@@ -804,10 +901,17 @@ def main(argv: list[str] | None = None) -> None:
         unknown = sorted(set(args.engines.split(",")) - set(ENGINES))
         if unknown:
             raise SystemExit(f"--engines: unknown {unknown}; allowed: {list(ENGINES)}")
+        if not 0.0 <= args.epoch_corr <= 1.0:
+            raise SystemExit(f"--epoch-corr {args.epoch_corr}: must be in [0, 1]")
+        v1 = [name for name in args.modes.split(",") if MODES[name].trainer == "v1"]
+        if args.epoch_corr < 1 and v1:
+            raise SystemExit(f"--epoch-corr below 1 runs on verl's v0 trainer only (v1's loop is not told a sample's "
+                             f"epoch); leave out {v1}")  # fmt: skip
         results = measure(args, argv)
     engines = engines_of(results)
     text = "\n\n".join([header(results), *(f"{engine} ({label_of(results, engine)}):\n\n{table(results, engine)}"
-                                            for engine in engines)])  # fmt: skip
+                                            for engine in engines),
+                         *filter(None, (length_windows(results, engine) for engine in engines))])  # fmt: skip
     verdicts = "\n\n".join(goals(results, engine) for engine in engines)
     print(text + "\n\n" + verdicts)
     if args.out:

@@ -38,6 +38,7 @@ resumed fraction from the ``partial/*`` metrics, and verl's ``response_length/me
 from __future__ import annotations
 
 import argparse
+import contextvars
 import dataclasses
 import hashlib
 import inspect
@@ -67,7 +68,7 @@ REPO = Path(__file__).resolve().parents[1]
 START, END = "<!-- vllm-trainer:start -->", "<!-- vllm-trainer:end -->"
 AGENT_LOOP = "imposed_length_agent"
 # The imposed-length workload reaches the Ray workers through the environment they inherit from the driver.
-TARGET_ENV = "VERL_PARTIAL_BENCH_TARGET"  # "seed,median,sigma,cap"
+TARGET_ENV = "VERL_PARTIAL_BENCH_TARGET"  # "seed,median,sigma,cap[,epoch_corr,epoch_steps]"
 # --engine-steps: folder where every vLLM engine process appends one line per engine step (time, tokens decoded).
 ENGINE_STEPS_ENV = "VERL_PARTIAL_BENCH_ENGINE_STEPS"
 # mode -> (preset, overrides on top of it). partial_extra8: the previous default with twice its over-provisioning
@@ -93,39 +94,87 @@ PEAK_BATCHES = (1, 2, 4, 8, 16, 32, 64)
 # ---------------------------------------------------------------------------------------------- imposed lengths
 @dataclasses.dataclass(frozen=True)
 class Lengths:
+    """The imposed response lengths: lognormal (``median``, ``sigma``) capped at ``cap``, drawn per prompt and sample
+    and, with ``epoch_corr < 1``, per epoch.
+
+    ``epoch_corr`` is the correlation of a sample's log-length between any two epochs: its standard normal is
+    ``sqrt(rho) * u(prompt, sample) + sqrt(1 - rho) * e(prompt, sample, epoch)``, so every epoch keeps the same
+    lognormal while only ``rho`` of its variance carries over. 1 is the same answer length every epoch: a length
+    history that is an oracle no user has (length-aware batching's upper bound); 0 is no information at all. A
+    group's mean log-length carries over with the same ``rho``. ``epoch_steps`` (trainer steps per epoch) is how a
+    path told only the trainer step (verl's own agent loop, v0 sync) finds the epoch.
+    """
+
     seed: int = 0
     median: float = 48.0
     sigma: float = 1.0
     cap: int = 512
+    epoch_corr: float = 1.0
+    epoch_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.epoch_corr <= 1.0:
+            raise ValueError(f"Lengths.epoch_corr must be in [0, 1], got {self.epoch_corr}")
+        if self.epoch_corr < 1.0 and self.epoch_steps < 1:
+            raise ValueError("Lengths.epoch_steps must be >= 1 when epoch_corr < 1 (v0 sync finds the epoch from it)")
+
+    @property
+    def per_epoch(self) -> bool:
+        return self.epoch_corr < 1.0
 
     def env(self) -> str:
-        return f"{self.seed},{self.median},{self.sigma},{self.cap}"
+        fields = (self.seed, self.median, self.sigma, self.cap)
+        return ",".join(map(str, (*fields, self.epoch_corr, self.epoch_steps) if self.per_epoch else fields))
 
     @classmethod
     def from_env(cls) -> Lengths:
-        seed, median, sigma, cap = os.environ[TARGET_ENV].split(",")
-        return cls(int(seed), float(median), float(sigma), int(cap))
+        seed, median, sigma, cap, *per_epoch = os.environ[TARGET_ENV].split(",")
+        corr, epoch_steps = per_epoch or ("1.0", "0")
+        return cls(int(seed), float(median), float(sigma), int(cap), float(corr), int(epoch_steps))
 
     def mean(self, draws: int = 20_000) -> float:
         """Mean imposed length (over many prompts): the request length of the engine-reference measurement."""
         return statistics.fmean(self.target([draw], 0) for draw in range(draws))
 
-    def target(self, prompt_ids: Any, index: int) -> int:
-        """Imposed response length of sample ``index`` of this prompt: lognormal, capped, >= 1."""
-        key = repr((self.seed, [int(t) for t in prompt_ids], int(index))).encode()
-        unit = (int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") + 0.5) / 2**64
-        return max(1, min(self.cap, round(self.median * math.exp(self.sigma * NormalDist().inv_cdf(unit)))))
+    def epoch_of_step(self, step: int) -> int:
+        """The epoch (1-based, as the partial path's group keys count it) of trainer step ``step`` (1-based) under
+        verl's own loop, which draws exactly one batch per step."""
+        return (int(step) - 1) // self.epoch_steps + 1
+
+    def _normal(self, *key: Any) -> float:
+        digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
+        return NormalDist().inv_cdf((int.from_bytes(digest, "big") + 0.5) / 2**64)
+
+    def target(self, prompt_ids: Any, index: int, epoch: int | None = None) -> int:
+        """Imposed response length of sample ``index`` of this prompt in ``epoch``: lognormal, capped, >= 1.
+
+        With ``epoch_corr == 1`` the epoch plays no part (and may be None), so every earlier figure's lengths are
+        unchanged."""
+        prompt = [int(t) for t in prompt_ids]
+        z = self._normal(self.seed, prompt, int(index))
+        if self.per_epoch:
+            if epoch is None:
+                raise ValueError("Lengths.target: epoch_corr < 1 needs the sample's epoch")
+            rho = self.epoch_corr
+            z = math.sqrt(rho) * z + math.sqrt(1.0 - rho) * self._normal(self.seed, prompt, int(index), int(epoch))
+        return max(1, min(self.cap, round(self.median * math.exp(self.sigma * z))))
 
 
 class _ImposedClient:
     """verl's server client for one sample, with its request sent at the sample's imposed length."""
 
-    def __init__(self, inner: Any, lengths: Lengths, index: int) -> None:
-        self.inner, self.lengths, self.index = inner, lengths, index
+    def __init__(self, inner: Any, lengths: Lengths, index: int, epoch: int | None) -> None:
+        self.inner, self.lengths, self.index, self.epoch = inner, lengths, index, epoch
 
     async def generate(self, *, prompt_ids: list[int], sampling_params: dict[str, Any], **kwargs: Any) -> Any:
-        params = {**sampling_params, "max_tokens": self.lengths.target(prompt_ids, self.index), "ignore_eos": True}
+        target = self.lengths.target(prompt_ids, self.index, self.epoch)
+        params = {**sampling_params, "max_tokens": target, "ignore_eos": True}
         return await self.inner.generate(prompt_ids=prompt_ids, sampling_params=params, **kwargs)
+
+
+# The trainer step of the sample an AgentLoopWorker task runs (v0 sync): verl's worker knows it
+# (``trajectory["step"]``, from the batch's ``meta_info["global_steps"]``) but passes the loop only the row's fields.
+_TRAINER_STEP: contextvars.ContextVar[int | None] = contextvars.ContextVar("trainer_step", default=None)
 
 
 class ImposedLengthAgentLoop(SingleTurnAgentLoop):
@@ -133,8 +182,42 @@ class ImposedLengthAgentLoop(SingleTurnAgentLoop):
 
     async def run(self, sampling_params: dict[str, Any], priority: int = 0, **kwargs: Any) -> Any:
         index = int(priority) % int(self.rollout_config.n)  # fit() repeats each prompt n times, interleaved
-        self.server_manager = _ImposedClient(self.server_manager, Lengths.from_env(), index)
+        lengths = Lengths.from_env()
+        epoch = None
+        if lengths.per_epoch:
+            step = _TRAINER_STEP.get()
+            if step is None or step < 1:
+                raise RuntimeError("epoch-correlated lengths need the trainer step: install_step_hook() did not run "
+                                   "in this worker, or this loop runs outside verl's v0 AgentLoopWorker")  # fmt: skip
+            epoch = lengths.epoch_of_step(step)
+        self.server_manager = _ImposedClient(self.server_manager, lengths, index, epoch)
         return await super().run(sampling_params, priority=priority, **kwargs)
+
+
+def install_step_hook() -> None:
+    """Hand verl's AgentLoopWorker's trainer step to the loop it runs (:data:`_TRAINER_STEP`)."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    run_agent_loop = AgentLoopWorker._run_agent_loop
+    expected = ["self", "sampling_params", "trajectory", "agent_name", "trace", "kwargs"]
+    if list(inspect.signature(run_agent_loop).parameters) != expected:
+        raise RuntimeError(f"verl's AgentLoopWorker._run_agent_loop is no longer {expected}: the imposed lengths' "
+                           "step hook needs updating for this verl")  # fmt: skip
+
+    async def with_step(self: Any, sampling_params: dict[str, Any], trajectory: dict[str, Any], **kwargs: Any) -> Any:
+        _TRAINER_STEP.set(int(trajectory["step"]))  # this task's own context: siblings keep theirs
+        return await run_agent_loop(self, sampling_params, trajectory, **kwargs)
+
+    AgentLoopWorker._run_agent_loop = with_step
+
+
+def epoch_of_group(group_key: str) -> int:
+    """The epoch our prompt source drew a group in, from its key ``e<epoch>-<draw>``
+    (verl_partial.glue.partial.rollout.PromptStream.next_prompt)."""
+    found = re.fullmatch(r"e(\d+)-\d+", group_key)
+    if found is None:
+        raise RuntimeError(f"group key {group_key!r} is not e<epoch>-<draw>: the imposed lengths' epoch needs updating")
+    return int(found.group(1))
 
 
 def worker_setup() -> None:
@@ -143,6 +226,8 @@ def worker_setup() -> None:
     if asked."""
     if os.environ.get(TARGET_ENV):
         install_partial_hook()
+        if Lengths.from_env().per_epoch:
+            install_step_hook()
     if os.environ.get(ENGINE_STEPS_ENV):
         record_engine_steps(Path(os.environ[ENGINE_STEPS_ENV]))
 
@@ -188,7 +273,9 @@ def install_partial_hook() -> None:
         if call.row is not None:
             raise NotImplementedError("imposed lengths cover single-turn rollout only")
         prompt_ids = call.prompt_ids if call.prompt_ids is not None else await self._prompt_ids(call)
-        target = Lengths.from_env().target(prompt_ids, int(call.request_id.split("/")[1]))
+        lengths = Lengths.from_env()
+        epoch = epoch_of_group(call.group_key) if lengths.per_epoch else None
+        target = lengths.target(prompt_ids, int(call.request_id.split("/")[1]), epoch)
         remaining = target - len(call.prefix)
         if remaining < 1:
             raise RuntimeError(f"{call.request_id}: {len(call.prefix)} tokens already reach the target {target}")

@@ -1,0 +1,181 @@
+"""The benchmarks' imposed response lengths: epoch-correlated draws (issue 25, item 6) without changing any earlier
+figure's lengths, and the route each trainer path's epoch takes to them."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import statistics
+from collections.abc import Callable
+from types import ModuleType
+
+import pytest
+
+
+@pytest.fixture
+def trainer(bench_module: Callable[[str], ModuleType]) -> ModuleType:
+    return bench_module("bench_vllm_trainer")
+
+
+@pytest.fixture
+def peer(bench_module: Callable[[str], ModuleType]) -> ModuleType:
+    return bench_module("bench_peer")
+
+
+def test_the_oracle_lengths_of_every_earlier_figure_are_unchanged(trainer: ModuleType) -> None:
+    """Values the lengths had before epochs existed (read from that commit): with correlation 1 the epoch plays no
+    part, so the stored peer and trainer results keep their workload."""
+    lengths = trainer.Lengths()
+    assert [lengths.target([5, 9, 33], i) for i in range(4)] == [28, 38, 28, 67]
+    assert [lengths.target([7], i, epoch) for i, epoch in zip(range(4), (1, 2, 3, 9), strict=True)] == [25, 69, 49, 92]
+    assert trainer.Lengths(seed=3).target([1, 2], 1) == 10
+    assert lengths.env() == "0,48.0,1.0,512"  # the environment string earlier runs exported
+
+
+def _log_lengths(lengths: object, epoch: int, prompts: int = 4000) -> list[float]:
+    return [math.log(lengths.target([p, 17], p % 4, epoch)) for p in range(prompts)]
+
+
+@pytest.mark.parametrize("rho", [0.0, 0.5, 0.8])
+def test_log_lengths_correlate_between_epochs_as_stated_and_keep_their_distribution(
+    trainer: ModuleType, rho: float
+) -> None:
+    # A median far above 1 and no cap: rounding and capping do not blur the normal the correlation is stated on.
+    lengths = trainer.Lengths(median=5000.0, sigma=1.0, cap=10**9, epoch_corr=rho, epoch_steps=4)
+    first, second, third = (_log_lengths(lengths, epoch) for epoch in (1, 2, 3))
+    assert statistics.correlation(first, second) == pytest.approx(rho, abs=0.05)
+    assert statistics.correlation(second, third) == pytest.approx(rho, abs=0.05)
+    for draws in (first, second):  # every epoch the same lognormal
+        assert statistics.median(draws) == pytest.approx(math.log(5000.0), abs=0.06)
+        assert statistics.stdev(draws) == pytest.approx(1.0, abs=0.05)
+
+
+def test_a_groups_mean_length_carries_over_with_the_same_correlation(trainer: ModuleType) -> None:
+    """What length-aware batching orders by: a prompt's mean log-length over its n samples, epoch to epoch."""
+    lengths = trainer.Lengths(median=5000.0, cap=10**9, epoch_corr=0.5, epoch_steps=4)
+
+    def group_means(epoch: int) -> list[float]:
+        return [statistics.fmean(math.log(lengths.target([p], i, epoch)) for i in range(4)) for p in range(3000)]
+
+    assert statistics.correlation(group_means(1), group_means(2)) == pytest.approx(0.5, abs=0.05)
+
+
+def test_per_epoch_lengths_refuse_what_they_cannot_honour(trainer: ModuleType) -> None:
+    with pytest.raises(ValueError, match="epoch_corr must be in"):
+        trainer.Lengths(epoch_corr=1.5)
+    with pytest.raises(ValueError, match="epoch_steps must be >= 1"):
+        trainer.Lengths(epoch_corr=0.5)
+    with pytest.raises(ValueError, match="needs the sample's epoch"):
+        trainer.Lengths(epoch_corr=0.5, epoch_steps=4).target([1], 0)
+
+
+def test_the_environment_carries_the_epoch_fields(trainer: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    lengths = trainer.Lengths(seed=2, epoch_corr=0.5, epoch_steps=4)
+    monkeypatch.setenv(trainer.TARGET_ENV, lengths.env())
+    assert trainer.Lengths.from_env() == lengths
+    monkeypatch.setenv(trainer.TARGET_ENV, "1,48.0,1.0,512")  # what earlier runs exported
+    assert trainer.Lengths.from_env() == trainer.Lengths(seed=1)
+
+
+def test_both_paths_count_the_same_epochs(trainer: ModuleType) -> None:
+    """v0 sync is told the trainer step (1-based); our partial path the key its prompt source drew the group under,
+    ``e<epoch>-<draw>``, epochs 1-based: with 4 steps an epoch, the same prompt draw falls in the same epoch."""
+    lengths = trainer.Lengths(epoch_corr=0.5, epoch_steps=4)
+    assert [lengths.epoch_of_step(step) for step in (1, 4, 5, 8, 9)] == [1, 1, 2, 2, 3]
+    assert trainer.epoch_of_group("e3-117") == 3
+    with pytest.raises(RuntimeError, match="is not e<epoch>-<draw>"):
+        trainer.epoch_of_group("3-117")
+
+
+def test_our_prompt_source_keys_groups_by_epoch() -> None:
+    """The key format epoch_of_group parses is the one PromptStream hands out, epochs counted from 1."""
+    from verl_partial.glue.partial.rollout import PromptStream
+
+    class Loader:
+        def __iter__(self):  # two batches of one prompt row each
+            return iter([{"x": [1]}, {"x": [2]}])
+
+        def state_dict(self) -> dict:
+            return {}
+
+    source = PromptStream(Loader(), total_epochs=2)
+    keys = [source.next_prompt()[1] for _ in range(3)]
+    assert keys == ["e1-0", "e1-1", "e2-2"]
+
+
+def test_verl_s_worker_hands_its_step_to_the_loop(trainer: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step hook installs on verl's real AgentLoopWorker (its signature checked) and gives each task its own
+    step: two tasks of different steps run interleaved, each loop reads its own."""
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    monkeypatch.setattr(AgentLoopWorker, "_run_agent_loop", AgentLoopWorker._run_agent_loop)
+    trainer.install_step_hook()  # on verl's own method: the signature check must pass
+
+    async def loop_body(self, sampling_params, trajectory, *, agent_name, trace=True, **kwargs):  # verl's parameters
+        await asyncio.sleep(0)
+        return trainer._TRAINER_STEP.get()
+
+    monkeypatch.setattr(AgentLoopWorker, "_run_agent_loop", loop_body)
+    trainer.install_step_hook()
+
+    async def both() -> list[int]:
+        run = AgentLoopWorker._run_agent_loop
+        return list(await asyncio.gather(run(None, {}, {"step": 5}, agent_name="a"),
+                                         run(None, {}, {"step": 9}, agent_name="a")))  # fmt: skip
+
+    assert asyncio.run(both()) == [5, 9]
+
+
+def test_the_step_hook_refuses_a_changed_verl(trainer: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    async def changed(self, sampling_params, trajectory_info, **kwargs):
+        return None
+
+    monkeypatch.setattr(AgentLoopWorker, "_run_agent_loop", changed)
+    with pytest.raises(RuntimeError, match="step hook needs updating"):
+        trainer.install_step_hook()
+
+
+def test_the_peer_workload_counts_epochs_in_its_data_set(peer: ModuleType) -> None:
+    args = peer.argparse.Namespace(steps=16, slots=64, train_rows=64, epoch_corr=0.5, model="tiny")
+    wl = peer.workload(args)
+    assert (wl.lengths.epoch_corr, wl.lengths.epoch_steps, wl.train_rows) == (0.5, 4, 64)
+    assert peer.round_lengths(wl, 2, seeds_by_round=True).seed == 2
+    assert peer.round_lengths(wl, 2, seeds_by_round=False) == wl.lengths
+    with pytest.raises(SystemExit, match="multiple of the 16 prompts"):
+        peer.workload(peer.argparse.Namespace(**{**vars(args), "train_rows": 60}))
+
+
+def test_epoch_correlated_lengths_are_refused_on_v1(peer: ModuleType) -> None:
+    with pytest.raises(SystemExit, match="v0 trainer only"):
+        peer.main(["--engines", "cpu", "--modes", "tail,v1_async_bound", "--epoch-corr", "0.5"])
+    with pytest.raises(SystemExit, match=r"--epoch-corr 2.0: must be in \[0, 1\]"):
+        peer.main(["--engines", "cpu", "--modes", "tail", "--epoch-corr", "2"])
+
+
+def _steps(lengths: list[float]) -> dict[str, dict[str, float]]:
+    return {str(i + 1): {"timing_s/gen": 1.0, "timing_s/step": 2.0, "response_length/mean": v}
+            for i, v in enumerate(lengths)}  # fmt: skip
+
+
+def test_trained_length_windows_pair_the_same_steps_of_the_same_round(peer: ModuleType) -> None:
+    """A mode that trains the window's long answers early and its short ones late has the same length per window;
+    a mode that defers long answers past the window shows it."""
+    wl = peer.Workload(steps=8)
+    sync = [10.0, 40.0, 10.0, 40.0, 20.0, 20.0, 20.0, 20.0]
+    reordered = [40.0, 40.0, 10.0, 10.0, 20.0, 20.0, 20.0, 20.0]
+    deferred = [10.0, 10.0, 10.0, 10.0, 40.0, 40.0, 20.0, 20.0]
+    run = {"returncode": 0, "peak_rss_bytes": 1, "round": 0}
+    results = {"workload": peer.dataclasses.asdict(wl), "runs": [
+        {**run, "mode": "v0_sync", "steps": _steps(sync)},
+        {**run, "mode": "tail", "steps": _steps(reordered)},
+        {**run, "mode": "tail_on_policy", "steps": _steps(deferred)},
+        {**run, "mode": "default", "round": 1, "steps": _steps(sync)},  # no sync run in its round: not paired
+    ]}  # fmt: skip
+    assert peer.window_length_ratios(results, "cpu_vllm", "tail", 4) == [1.0, 1.0]
+    assert peer.window_length_ratios(results, "cpu_vllm", "tail_on_policy", 4) == [0.4, 1.5]
+    assert peer.window_length_ratios(results, "cpu_vllm", "default", 4) == []
+    text = peer.length_windows(results, "cpu_vllm")
+    assert "| ours `+partial=tail` | 2 | 1.00 (1.00-1.00) |" in text
+    assert "default`" not in text
