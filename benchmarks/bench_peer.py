@@ -71,6 +71,7 @@ from benchmarks.harness import (
     usable,
 )
 from verl_partial.config.backend import EMULATE_GPU_ENV, ENGINE_STATS_DIR_ENV, EmulatedGpu
+from verl_partial.config.partial import PRESETS
 
 MODULE = "benchmarks.bench_peer"  # what Ray workers and verl's hooks import (not __name__: "__main__" under -m)
 START, END = "<!-- peer-benchmark:start -->", "<!-- peer-benchmark:end -->"
@@ -515,12 +516,15 @@ def window_length_ratios(results: dict[str, Any], engine: str, mode: str, window
     return out
 
 
+# The length-aware presets' window (``length_window_steps`` of ``tail`` and ``tail_on_policy``, the same): trained
+# lengths are compared with sync's over windows this long.
+PRESETS_WINDOW = PRESETS["tail"].length_window_steps
+
+
 def length_windows(results: dict[str, Any], engine: str) -> str:
     """What length-aware windows do to the data: our modes' trained length per window of ``length_window_steps``
     (the length-aware presets' window; 4) against v0 sync's over the same steps of the same round."""
-    from verl_partial.config.partial import PRESETS
-
-    window = PRESETS["tail"].length_window_steps
+    window = PRESETS_WINDOW
     rows = [
         (name, window_length_ratios(results, engine, name, window)) for name in MODES if MODES[name].partial is not None
     ]
@@ -610,8 +614,6 @@ def verdict(values: list[float], goal: float | None) -> str:
 
 def best_ratios(runs: dict[str, list[RunFigures]], against: str, figure: str) -> list[float]:
     """Round by round, the best ratio over ``against`` of any of our modes whose preset bounds staleness at <= 1."""
-    from verl_partial.config.partial import PRESETS
-
     bounded = [name for name, mode in MODES.items() if mode.partial and PRESETS[mode.partial].max_staleness <= 1]
     best: dict[int, float] = {}
     base = {run.round: run for run in runs.get(against, [])}

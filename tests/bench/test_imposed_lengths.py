@@ -126,6 +126,17 @@ def test_verl_s_worker_hands_its_step_to_the_loop(trainer: ModuleType, monkeypat
     assert asyncio.run(both()) == [5, 9]
 
 
+def test_the_patched_worker_pickles_as_ray_ships_it(trainer: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray pickles verl's AgentLoopWorker class by value when it creates the actors: the hooked method must not
+    capture the ContextVar (unpicklable), as a first version did."""
+    from ray import cloudpickle
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+
+    monkeypatch.setattr(AgentLoopWorker, "_run_agent_loop", AgentLoopWorker._run_agent_loop)
+    trainer.install_step_hook()
+    cloudpickle.loads(cloudpickle.dumps(AgentLoopWorker._run_agent_loop))
+
+
 def test_the_step_hook_refuses_a_changed_verl(trainer: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 
@@ -157,6 +168,10 @@ def test_epoch_correlated_lengths_are_refused_on_v1(peer: ModuleType) -> None:
 def _steps(lengths: list[float]) -> dict[str, dict[str, float]]:
     return {str(i + 1): {"timing_s/gen": 1.0, "timing_s/step": 2.0, "response_length/mean": v}
             for i, v in enumerate(lengths)}  # fmt: skip
+
+
+def test_the_window_compared_is_both_length_aware_presets(peer: ModuleType) -> None:
+    assert peer.PRESETS_WINDOW == peer.PRESETS["tail_on_policy"].length_window_steps > 1
 
 
 def test_trained_length_windows_pair_the_same_steps_of_the_same_round(peer: ModuleType) -> None:
