@@ -194,27 +194,34 @@ class ImposedLengthAgentLoop(SingleTurnAgentLoop):
         return await super().run(sampling_params, priority=priority, **kwargs)
 
 
-def _set_trainer_step(step: int) -> None:
-    """Set in the calling task's own context (its siblings keep theirs). A module-level function, so that Ray, which
-    pickles the patched AgentLoopWorker class by value, pickles this by reference and never the ContextVar."""
-    _TRAINER_STEP.set(step)
+# verl's own AgentLoopWorker._run_agent_loop, kept by install_step_hook in each process that installs it.
+_VERL_RUN_AGENT_LOOP: dict[str, Any] = {}
+
+
+async def _run_agent_loop_with_step(
+    self: Any, sampling_params: dict[str, Any], trajectory: dict[str, Any], **kwargs: Any
+) -> Any:
+    """verl's ``_run_agent_loop`` with the trainer step set in this task's own context (its siblings keep theirs).
+
+    Module-level on purpose: Ray pickles the AgentLoopWorker class by value when it creates the actors, and a
+    function it can find by name is pickled by reference. A closure would be pickled by value, and with it verl's
+    original method, whose copied globals hold a copy of verl's agent-loop registry that its workers never fill."""
+    _TRAINER_STEP.set(int(trajectory["step"]))
+    return await _VERL_RUN_AGENT_LOOP["run"](self, sampling_params, trajectory, **kwargs)
 
 
 def install_step_hook() -> None:
-    """Hand verl's AgentLoopWorker's trainer step to the loop it runs (:data:`_TRAINER_STEP`)."""
+    """Hand verl's AgentLoopWorker's trainer step to the loop it runs (:data:`_TRAINER_STEP`); once per process."""
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 
-    run_agent_loop = AgentLoopWorker._run_agent_loop
+    if AgentLoopWorker._run_agent_loop is _run_agent_loop_with_step:
+        return
     expected = ["self", "sampling_params", "trajectory", "agent_name", "trace", "kwargs"]
-    if list(inspect.signature(run_agent_loop).parameters) != expected:
+    if list(inspect.signature(AgentLoopWorker._run_agent_loop).parameters) != expected:
         raise RuntimeError(f"verl's AgentLoopWorker._run_agent_loop is no longer {expected}: the imposed lengths' "
                            "step hook needs updating for this verl")  # fmt: skip
-
-    async def with_step(self: Any, sampling_params: dict[str, Any], trajectory: dict[str, Any], **kwargs: Any) -> Any:
-        _set_trainer_step(int(trajectory["step"]))
-        return await run_agent_loop(self, sampling_params, trajectory, **kwargs)
-
-    AgentLoopWorker._run_agent_loop = with_step
+    _VERL_RUN_AGENT_LOOP["run"] = AgentLoopWorker._run_agent_loop
+    AgentLoopWorker._run_agent_loop = _run_agent_loop_with_step
 
 
 def epoch_of_group(group_key: str) -> int:

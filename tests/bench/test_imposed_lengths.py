@@ -103,47 +103,56 @@ def test_our_prompt_source_keys_groups_by_epoch() -> None:
     assert keys == ["e1-0", "e1-1", "e2-2"]
 
 
-def test_verl_s_worker_hands_its_step_to_the_loop(trainer: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The step hook installs on verl's real AgentLoopWorker (its signature checked) and gives each task its own
-    step: two tasks of different steps run interleaved, each loop reads its own."""
+@pytest.fixture
+def verl_worker(trainer: ModuleType, monkeypatch: pytest.MonkeyPatch) -> type:
+    """verl's AgentLoopWorker, restored after the test, with no step hook installed."""
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 
     monkeypatch.setattr(AgentLoopWorker, "_run_agent_loop", AgentLoopWorker._run_agent_loop)
+    monkeypatch.setattr(trainer, "_VERL_RUN_AGENT_LOOP", {})
+    return AgentLoopWorker
+
+
+def test_verl_s_worker_hands_its_step_to_the_loop(trainer: ModuleType, verl_worker: type) -> None:
+    """The step hook installs on verl's real AgentLoopWorker (its signature checked) and gives each task its own
+    step: two tasks of different steps run interleaved, each loop reads its own."""
+    original = verl_worker._run_agent_loop
     trainer.install_step_hook()  # on verl's own method: the signature check must pass
+    assert trainer._VERL_RUN_AGENT_LOOP["run"] is original
+    trainer.install_step_hook()  # once per process: a second install must not wrap the hook in itself
+    assert trainer._VERL_RUN_AGENT_LOOP["run"] is original
 
     async def loop_body(self, sampling_params, trajectory, *, agent_name, trace=True, **kwargs):  # verl's parameters
         await asyncio.sleep(0)
         return trainer._TRAINER_STEP.get()
 
-    monkeypatch.setattr(AgentLoopWorker, "_run_agent_loop", loop_body)
-    trainer.install_step_hook()
+    trainer._VERL_RUN_AGENT_LOOP["run"] = loop_body  # what verl's method would run, reduced to reading the step
 
     async def both() -> list[int]:
-        run = AgentLoopWorker._run_agent_loop
+        run = verl_worker._run_agent_loop
         return list(await asyncio.gather(run(None, {}, {"step": 5}, agent_name="a"),
                                          run(None, {}, {"step": 9}, agent_name="a")))  # fmt: skip
 
     assert asyncio.run(both()) == [5, 9]
 
 
-def test_the_patched_worker_pickles_as_ray_ships_it(trainer: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ray pickles verl's AgentLoopWorker class by value when it creates the actors: the hooked method must not
-    capture the ContextVar (unpicklable), as a first version did."""
+def test_the_hooked_method_is_shipped_by_name(trainer: ModuleType, verl_worker: type) -> None:
+    """Ray pickles verl's AgentLoopWorker class by value when it creates the actors. The hooked method must travel by
+    reference: a closure travelled by value with verl's original method, whose copied globals held an empty copy of
+    verl's agent-loop registry ("Agent loop imposed_length_agent not registered" in the first run), and before that
+    with the ContextVar, which cannot be pickled at all."""
     from ray import cloudpickle
-    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
 
-    monkeypatch.setattr(AgentLoopWorker, "_run_agent_loop", AgentLoopWorker._run_agent_loop)
     trainer.install_step_hook()
-    cloudpickle.loads(cloudpickle.dumps(AgentLoopWorker._run_agent_loop))
+    method = verl_worker._run_agent_loop
+    assert cloudpickle.loads(cloudpickle.dumps(method)) is method
 
 
-def test_the_step_hook_refuses_a_changed_verl(trainer: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
-    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
-
+def test_the_step_hook_refuses_a_changed_verl(trainer: ModuleType, verl_worker: type) -> None:
     async def changed(self, sampling_params, trajectory_info, **kwargs):
         return None
 
-    monkeypatch.setattr(AgentLoopWorker, "_run_agent_loop", changed)
+    verl_worker._run_agent_loop = changed  # restored by the fixture
     with pytest.raises(RuntimeError, match="step hook needs updating"):
         trainer.install_step_hook()
 

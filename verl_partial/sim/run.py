@@ -21,7 +21,7 @@ from verl_partial.core.partial.scheduler import run_step
 from verl_partial.sim.backend import SimBackend
 from verl_partial.sim.bound import StepCostFloor, phase_floor
 from verl_partial.sim.clock import run_virtual
-from verl_partial.sim.engine import ServerSpec
+from verl_partial.sim.engine import EngineStats, ServerSpec
 from verl_partial.sim.stats import ks_distance
 from verl_partial.sim.workload import PromptCycle, Workload
 
@@ -66,8 +66,9 @@ class ModeRun:
     staleness_max: list[float] = field(default_factory=list)
     trained_lengths: list[np.ndarray] = field(default_factory=list)
     group_waits: list[np.ndarray] = field(default_factory=list)
-    prefill_tokens: int = 0
-    preemptions: int = 0
+    # Every server's counters summed over the whole run, warm-up included (as the emulated engine's are): what
+    # benchmarks/sim_check_emulated.py sets beside the real engine's to locate a miss.
+    engine: EngineStats = field(default_factory=EngineStats)
 
     def steady(self, warmup: int, steps: int | None = None) -> ModeRun:
         """The records of ``steps`` steps (default: all) after the first ``warmup`` (the pool starts empty).
@@ -76,8 +77,8 @@ class ModeRun:
         length depends on which prompts it draws, and sync's phases differ by up to 2.5x from one step to the next.
         """
         end = None if steps is None else warmup + steps
-        cut = {f.name: getattr(self, f.name)[warmup:end] for f in dataclasses.fields(self) if f.name[0] != "p"}
-        return ModeRun(**cut, prefill_tokens=self.prefill_tokens, preemptions=self.preemptions)
+        cut = {f.name: getattr(self, f.name)[warmup:end] for f in dataclasses.fields(self) if f.name != "engine"}
+        return ModeRun(**cut, engine=self.engine)
 
     @property
     def lengths(self) -> np.ndarray:
@@ -135,8 +136,9 @@ def simulate(
                 np.array([len(sample.token_ids) for group in result.trained for sample in group.samples])
             )
             record.group_waits.append(np.array([step - source.admitted_at[group.key] for group in result.trained]))
-        record.prefill_tokens = sum(e.stats.prefill_tokens for e in backend.engines.values())
-        record.preemptions = sum(e.stats.preemptions for e in backend.engines.values())
+        for stats in (engine.stats for engine in backend.engines.values()):
+            for name in (f.name for f in dataclasses.fields(EngineStats)):
+                setattr(record.engine, name, getattr(record.engine, name) + getattr(stats, name))
         return record
 
     return run_virtual(main())
