@@ -133,8 +133,9 @@ class Lengths:
         return cls(int(seed), float(median), float(sigma), int(cap), float(corr), int(epoch_steps))
 
     def mean(self, draws: int = 20_000) -> float:
-        """Mean imposed length (over many prompts): the request length of the engine-reference measurement."""
-        return statistics.fmean(self.target([draw], 0) for draw in range(draws))
+        """Mean imposed length (over many prompts): the request length of the engine-reference measurement. Every
+        epoch draws from the same distribution, so the first stands for all."""
+        return statistics.fmean(self.target([draw], 0, epoch=1) for draw in range(draws))
 
     def epoch_of_step(self, step: int) -> int:
         """The epoch (1-based, as the partial path's group keys count it) of trainer step ``step`` (1-based) under

@@ -51,16 +51,67 @@ def sim_configs(batch: int) -> dict[str, PartialConfig]:
     }
 
 
-def predict(results: dict[str, Any], engine: str, prompt_len: int) -> tuple[dict[str, list[float]], list[float]]:
+# The engine's composition, whole run (warm-up included: the counters are cumulative), per trained token: the same
+# four figures from the emulated engine's counters and from the simulated servers'. Where the simulator misses the
+# engine's own busy time, these say which part of the step stream differs.
+ENGINE_FIGURES = {
+    "busy_ms": "engine busy ms / trained token",
+    "steps_per_k": "engine steps / 1k trained tokens",
+    "rows_per_step": "decoded rows / engine step",
+    "prefill_per_token": "prefilled tokens / trained token",
+}
+
+
+def _engine_figures(busy_s: float, steps: int, decoded: int, prefilled: int, trained: float) -> dict[str, float]:
+    return {
+        "busy_ms": 1e3 * busy_s / trained,
+        "steps_per_k": 1e3 * steps / trained,
+        "rows_per_step": decoded / steps,
+        "prefill_per_token": prefilled / trained,
+    }
+
+
+def measured_engine(results: dict[str, Any], engine: str, mode: str) -> list[dict[str, float]]:
+    """Per usable run, :data:`ENGINE_FIGURES` from the emulated engine's counters (its modelled time, not the
+    overruns: both sides then share one step-time model)."""
+    out = []
+    wl = workload_of(results)
+    for run in results["runs"]:
+        if run.get("engine") != engine or run["mode"] != mode or overran(run) or not usable(run):
+            continue
+        stats = run.get("engine_stats") or []
+        trained = sum(float(step["response_length/mean"]) for step in run["steps"].values()) * wl.prompts * wl.n
+        if stats and trained > 0:
+            total = {
+                key: sum(s[key] for s in stats) for key in ("modelled_s", "steps", "decode_tokens", "prefill_tokens")
+            }
+            out.append(_engine_figures(total["modelled_s"], total["steps"], total["decode_tokens"],
+                                       total["prefill_tokens"], trained))  # fmt: skip
+    return out
+
+
+def simulated_engine(run: Any) -> dict[str, float]:
+    """:data:`ENGINE_FIGURES` of a whole simulated run (``ModeRun`` before ``steady``)."""
+    stats = run.engine
+    return _engine_figures(stats.busy_seconds, stats.decode_steps + stats.prefill_steps, stats.tokens,
+                           stats.prefill_tokens, float(sum(run.tokens_trained)))  # fmt: skip
+
+
+Prediction = tuple[dict[str, list[float]], list[float], dict[str, list[dict[str, float]]]]
+
+
+def predict(results: dict[str, Any], engine: str, prompt_len: int) -> Prediction:
     """Rollout ms per trained token per mode and seed, over the benchmark's measured steps; and per seed, the highest
     rollout speed-up over sync that any colocated schedule at staleness <= 1 could reach on the batches ``default``
-    trained (``verl_partial.sim.run.ceiling``: the bound covers those batch compositions, not regrouped ones)."""
+    trained (``verl_partial.sim.run.ceiling``: the bound covers those batch compositions, not regrouped ones); and per
+    mode, :data:`ENGINE_FIGURES` of each seed's whole simulated run."""
     wl = workload_of(results)
     gpu = emulated_gpu(results, engine)
     if gpu is None:
         raise SystemExit(f"{engine}: the results hold no emulated GPU override; nothing to simulate")
     spec = gpu.server_spec(wl.slots)
     out: dict[str, list[float]] = {}
+    engines: dict[str, list[dict[str, float]]] = {}
     runs: dict[tuple[str, int], Any] = {}
     for name, config in sim_configs(wl.prompts).items():
         if name not in {run["mode"] for run in results["runs"]}:
@@ -77,15 +128,17 @@ def predict(results: dict[str, Any], engine: str, prompt_len: int) -> tuple[dict
                 prompt_share=0.0,
                 seed=seed,
             )
-            run = simulate(config, sim_wl, spec, servers=1, steps=wl.steps).steady(wl.first_measured - 1)
+            whole = simulate(config, sim_wl, spec, servers=1, steps=wl.steps)
+            run = whole.steady(wl.first_measured - 1)
             out.setdefault(name, []).append(1e3 * sum(run.seconds) / sum(run.tokens_trained))
             runs[name, seed] = (run, sim_wl)
+            engines.setdefault(name, []).append(simulated_engine(whole))
     bounds = [
         ceiling(runs["v0_sync", seed][0], runs["default", seed][0], runs["default", seed][1], spec, 1, max_staleness=1)
         for seed in SEEDS
         if ("v0_sync", seed) in runs and ("default", seed) in runs
     ]
-    return out, bounds
+    return out, bounds, engines
 
 
 def busy_share(results: dict[str, Any], engine: str, mode: str) -> list[float]:
@@ -109,7 +162,7 @@ def spread(values: list[float]) -> str:
 
 
 def compare(results: dict[str, Any], engine: str, prompt_len: int) -> dict[str, Any]:
-    predicted, bounds = predict(results, engine, prompt_len)
+    predicted, bounds, simulated = predict(results, engine, prompt_len)
     measured = {name: [r.gen_ms_per_token for r in runs] for name, runs in by_mode(results, engine).items()}
     rows = []
     for name in [m for m in MODES if m in measured or m in predicted]:
@@ -118,6 +171,7 @@ def compare(results: dict[str, Any], engine: str, prompt_len: int) -> dict[str, 
             "measured": measured.get(name),
             "predicted": predicted.get(name),
             "engine_busy_share": busy_share(results, engine, name),
+            "engine": {"measured": measured_engine(results, engine, name), "simulated": simulated.get(name, [])},
         }
         if row["measured"] and row["predicted"]:
             row["miss"] = statistics.fmean(row["predicted"]) / statistics.fmean(row["measured"]) - 1.0
@@ -140,6 +194,7 @@ def table(report: dict[str, Any]) -> str:
             f"{'-' if miss is None else f'{miss:+.0%}'}{flag} | "
             f"{spread(row['engine_busy_share']) if row['engine_busy_share'] else '-'} |"
         )
+    lines += ["", *engine_table(report)]
     if report.get("ceiling_vs_sync"):
         lines += [
             "",
@@ -149,6 +204,29 @@ def table(report: dict[str, Any]) -> str:
             "steps over the staleness window, and the work on one server).",
         ]
     return "\n".join(lines)
+
+
+def engine_table(report: dict[str, Any]) -> list[str]:
+    """Where a miss sits: the emulated engine's step stream beside the simulated servers', whole runs, per trained
+    token (measured over rounds, simulated over seeds); rows without both sides are left out."""
+    rows = [row for row in report["rows"] if row.get("engine", {}).get("measured") and row["engine"]["simulated"]]
+    if not rows:
+        return []
+    lines = [
+        "The engine itself, whole runs (warm-up included), measured (emulated engine's counters, modelled time) / "
+        "simulated:",
+        "",
+        "| mode | " + " | ".join(ENGINE_FIGURES.values()) + " |",
+        "|---|" + "---:|" * len(ENGINE_FIGURES),
+    ]
+    for row in rows:
+        cells = []
+        for key in ENGINE_FIGURES:
+            measured = statistics.fmean(r[key] for r in row["engine"]["measured"])
+            simulated = statistics.fmean(r[key] for r in row["engine"]["simulated"])
+            cells.append(f"{measured:.3g} / {simulated:.3g}")
+        lines.append(f"| {MODES[row['mode']].label} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -60,6 +60,12 @@ def test_a_groups_mean_length_carries_over_with_the_same_correlation(trainer: Mo
     assert statistics.correlation(group_means(1), group_means(2)) == pytest.approx(0.5, abs=0.05)
 
 
+def test_the_mean_length_is_the_same_whatever_the_correlation(trainer: ModuleType) -> None:
+    """The emulated occupancy's context uses the mean: epoch-correlated lengths keep every epoch's distribution."""
+    oracle = trainer.Lengths().mean(4000)
+    assert trainer.Lengths(epoch_corr=0.5, epoch_steps=4).mean(4000) == pytest.approx(oracle, rel=0.05)
+
+
 def test_per_epoch_lengths_refuse_what_they_cannot_honour(trainer: ModuleType) -> None:
     with pytest.raises(ValueError, match="epoch_corr must be in"):
         trainer.Lengths(epoch_corr=1.5)

@@ -33,3 +33,31 @@ def test_the_busy_share_reads_every_step_of_usable_runs_that_fit(check: ModuleTy
            "engine_stats": [{"steps": 1000, "overruns": 0, "modelled_s": 4.5}]}  # fmt: skip
     overran = {**run, "engine_stats": [{"steps": 1000, "overruns": 50, "modelled_s": 6.0}]}
     assert check.busy_share({"runs": [run, overran]}, "cpu", "default") == pytest.approx([0.75])
+
+
+def test_the_engine_figures_count_both_sides_alike(check: ModuleType) -> None:
+    """The emulated engine's counters and the simulated servers' give the same four figures per trained token,
+    whole runs: steps 1-3 each train 64 answers of mean length 10 (1,920 tokens)."""
+    from benchmarks.bench_vllm_trainer import Workload
+    from verl_partial.sim.engine import EngineStats
+    from verl_partial.sim.run import ModeRun
+
+    steps = {str(i): {"timing_s/gen": 2.0, "response_length/mean": 10.0} for i in range(1, 4)}
+    stats = {"steps": 480, "overruns": 0, "modelled_s": 3.84, "decode_tokens": 1920, "prefill_tokens": 960}
+    run = {"engine": "cpu", "mode": "default", "returncode": 0, "steps": steps, "engine_stats": [stats]}
+    results = {"workload": dataclasses.asdict(Workload(steps=3)), "runs": [run]}
+    measured = check.measured_engine(results, "cpu", "default")
+    expected = {"busy_ms": 2.0, "steps_per_k": 250.0, "rows_per_step": 4.0, "prefill_per_token": 0.5}
+    assert measured == [pytest.approx(expected)]
+    engine = EngineStats(decode_steps=400, prefill_steps=80, tokens=1920, prefill_tokens=960, busy_seconds=3.84)
+    simulated = ModeRun(tokens_trained=[640.0, 640.0, 640.0], engine=engine)
+    assert check.simulated_engine(simulated) == pytest.approx(expected)
+
+
+def test_the_simulated_run_keeps_its_servers_counters_through_steady() -> None:
+    from verl_partial.sim.engine import EngineStats
+    from verl_partial.sim.run import ModeRun
+
+    run = ModeRun(seconds=[1.0, 2.0], tokens_trained=[5.0, 6.0], engine=EngineStats(decode_steps=7))
+    steady = run.steady(1)
+    assert steady.seconds == [2.0] and steady.engine.decode_steps == 7
