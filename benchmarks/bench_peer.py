@@ -516,6 +516,56 @@ def window_length_ratios(results: dict[str, Any], engine: str, mode: str, window
     return out
 
 
+def _measured_mean(run: dict[str, Any], first: int, key: str) -> float | None:
+    values = [float(step[key]) for k, step in run["steps"].items() if int(k) >= first and key in step]
+    return statistics.fmean(values) if values else None
+
+
+def fixed_costs(results: dict[str, Any], engine: str) -> str:
+    """The real-clock costs a faster GPU does not shrink, per measured step, beside the phase they sit in: our step
+    end (take-back, aborts, ``abort_grace_s``, reopening: ``partial/step_end_s``, inside ``timing_s/gen``); weight
+    sync (``timing_s/update_weights``, outside it, so a share of the whole step); v1's replay-buffer poll (a fixed 2 s
+    interval, not logged: the rollout phase it costs is the paired difference with the mode's 0.05 s-poll twin)."""
+    first = workload_of(results).first_measured
+    runs = kept_runs(results, engine)
+    rows = []
+    for name in [m for m in MODES if any(run["mode"] == m for run in runs)]:
+        mine = [run for run in runs if run["mode"] == name]
+        end = [(_measured_mean(r, first, "partial/step_end_s"), _measured_mean(r, first, "timing_s/gen")) for r in mine]
+        sync = [(_measured_mean(r, first, "timing_s/update_weights"), _measured_mean(r, first, "timing_s/step"))
+                for r in mine]  # fmt: skip
+        end_cell = "-"
+        if MODES[name].partial is not None and all(a is not None and b for a, b in end):
+            end_cell = (f"{spread([a for a, _ in end])} s ({spread([100 * a / b for a, b in end], 1)} % of the "
+                        "phase)")  # fmt: skip
+        sync_cell = "-"
+        if all(a is not None and b for a, b in sync):
+            sync_cell = (
+                f"{spread([a for a, _ in sync], 3)} s ({spread([100 * a / b for a, b in sync], 1)} % of the step)"
+            )
+        poll_cell = "-"
+        twin = f"{name}_fastpoll"
+        if MODES[name].trainer == "v1" and twin in MODES:
+            paired = {int(r.get("round", 0)): r for r in runs if r["mode"] == twin}
+            shares = [
+                100 * (1 - _measured_mean(paired[int(r.get("round", 0))], first, "timing_s/gen")
+                       / _measured_mean(r, first, "timing_s/gen"))
+                for r in mine
+                if int(r.get("round", 0)) in paired
+            ]  # fmt: skip
+            if shares:
+                poll_cell = f"{spread(shares, 1)} % of the phase"
+        rows.append(f"| {MODES[name].label} | {end_cell} | {sync_cell} | {poll_cell} |")
+    return "\n".join([
+        "Fixed real-clock costs per measured step (mean, min-max over rounds):",
+        "",
+        "| mode | our step end (`partial/step_end_s`) | weight sync (`timing_s/update_weights`) | v1's 2 s poll: "
+        "rollout phase saved by its 0.05 s twin, same round |",
+        "|---|---:|---:|---:|",
+        *rows,
+    ])  # fmt: skip
+
+
 # The length-aware presets' window (``length_window_steps`` of ``tail`` and ``tail_on_policy``, the same): trained
 # lengths are compared with sync's over windows this long.
 PRESETS_WINDOW = PRESETS["tail"].length_window_steps
@@ -913,6 +963,7 @@ def main(argv: list[str] | None = None) -> None:
     engines = engines_of(results)
     text = "\n\n".join([header(results), *(f"{engine} ({label_of(results, engine)}):\n\n{table(results, engine)}"
                                             for engine in engines),
+                         *(fixed_costs(results, engine) for engine in engines),
                          *filter(None, (length_windows(results, engine) for engine in engines))])  # fmt: skip
     verdicts = "\n\n".join(goals(results, engine) for engine in engines)
     print(text + "\n\n" + verdicts)

@@ -142,9 +142,10 @@ def _peer_fill(data: Mapping[str, Any]) -> str:
 
 
 def _peer_table(data: Mapping[str, Any]) -> str:
-    from benchmarks.bench_peer import header, table
+    from benchmarks.bench_peer import fixed_costs, header, table
 
-    return header(dict(data)) + "\n\n" + table(dict(data), _peer_engine(data))
+    engine = _peer_engine(data)
+    return "\n\n".join((header(dict(data)), table(dict(data), engine), fixed_costs(dict(data), engine)))
 
 
 def _peer_tail(data: Mapping[str, Any]) -> str:
