@@ -161,6 +161,8 @@ def _peer_tail(data: Mapping[str, Any]) -> str:
             parts.append(f"`{name}` vs v0 sync: rollout phase {speedup(runs['v0_sync'], runs[name], 'rollout')}, "
                          f"whole step {speedup(runs['v0_sync'], runs[name], 'step')}, trained length per "
                          f"{PRESETS_WINDOW}-step window {spread(windows)}x sync's")  # fmt: skip
+    if "tail" in runs and "default" in runs:
+        parts.append(f"`tail` vs `default`: rollout phase {speedup(runs['default'], runs['tail'], 'rollout')}")
     return "; ".join(parts)
 
 
@@ -221,7 +223,8 @@ FIGURES: tuple[Figure, ...] = (
         claim="our PyTorch engine (not vLLM) on one H200, random 1.1B Llama in bf16, 256 requests in flight, 8 steps, "
         "imposed long-tail answers (median 64, p99/p50 8, cap 512): rollout phase per trained token against sync; "
         "`default` and `tail` as they were at that commit, admitting by finished groups (they now also fill the "
-        "engine's free slots, `partial.fill_engine`)",
+        "engine's free slots, `partial.fill_engine`); `tail` was given the imposed lengths as one earlier epoch: "
+        "oracle history, upper bound",
         source="gpu_engine_curve_h200.jsonl",
         label="measured",
         value=_gpu_modes,
