@@ -521,14 +521,16 @@ def _measured_mean(run: dict[str, Any], first: int, key: str) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-def fixed_costs(results: dict[str, Any], engine: str) -> str:
+def fixed_costs(results: dict[str, Any], engine: str, compact: bool = False) -> str:
     """The real-clock costs a faster GPU does not shrink, per measured step, beside the phase they sit in: our step
     end (take-back, aborts, ``abort_grace_s``, reopening: ``partial/step_end_s``, inside ``timing_s/gen``); weight
     sync (``timing_s/update_weights``, outside it, so a share of the whole step); v1's replay-buffer poll (a fixed 2 s
-    interval, not logged: the rollout phase it costs is the paired difference with the mode's 0.05 s-poll twin)."""
+    interval, not logged: the rollout phase it costs is the paired difference with the mode's 0.05 s-poll twin).
+    ``compact``: shares only, modes by name."""
     first = workload_of(results).first_measured
     runs = kept_runs(results, engine)
     rows = []
+    sync_shares: list[float] = []
     for name in [m for m in MODES if any(run["mode"] == m for run in runs)]:
         mine = [run for run in runs if run["mode"] == name]
         end = [(_measured_mean(r, first, "partial/step_end_s"), _measured_mean(r, first, "timing_s/gen")) for r in mine]
@@ -536,13 +538,13 @@ def fixed_costs(results: dict[str, Any], engine: str) -> str:
                 for r in mine]  # fmt: skip
         end_cell = "-"
         if MODES[name].partial is not None and all(a is not None and b for a, b in end):
-            end_cell = (f"{spread([a for a, _ in end])} s ({spread([100 * a / b for a, b in end], 1)} % of the "
-                        "phase)")  # fmt: skip
+            share = f"{spread([100 * a / b for a, b in end], 1)} %"
+            end_cell = share if compact else f"{spread([a for a, _ in end])} s ({share} of the phase)"
         sync_cell = "-"
         if all(a is not None and b for a, b in sync):
-            sync_cell = (
-                f"{spread([a for a, _ in sync], 3)} s ({spread([100 * a / b for a, b in sync], 1)} % of the step)"
-            )
+            sync_shares += [100 * a / b for a, b in sync]
+            share = f"{spread([100 * a / b for a, b in sync], 1)} %"
+            sync_cell = f"{spread([a for a, _ in sync], 3)} s ({share} of the step)"
         poll_cell = "-"
         twin = f"{name}_fastpoll"
         if MODES[name].trainer == "v1" and twin in MODES:
@@ -554,16 +556,22 @@ def fixed_costs(results: dict[str, Any], engine: str) -> str:
                 if int(r.get("round", 0)) in paired
             ]  # fmt: skip
             if shares:
-                poll_cell = f"{spread(shares, 1)} % of the phase"
-        rows.append(f"| {MODES[name].label} | {end_cell} | {sync_cell} | {poll_cell} |")
-    return "\n".join([
-        "Fixed real-clock costs per measured step (mean, min-max over rounds):",
-        "",
-        "| mode | our step end (`partial/step_end_s`) | weight sync (`timing_s/update_weights`) | v1's 2 s poll: "
-        "rollout phase saved by its 0.05 s twin, same round |",
-        "|---|---:|---:|---:|",
-        *rows,
-    ])  # fmt: skip
+                poll_cell = f"{spread(shares, 1)} %" + ("" if compact else " of the phase")
+        if not compact:
+            rows.append(f"| {MODES[name].label} | {end_cell} | {sync_cell} | {poll_cell} |")
+        elif (end_cell, poll_cell) != ("-", "-"):  # weight sync goes in the caption; a row of dashes is left out
+            rows.append(f"| `{name}` | {end_cell} | {poll_cell} |")
+    if compact:
+        caption = ("Fixed real-clock costs per measured step, as shares of the rollout phase (mean, min-max over "
+                   f"rounds); weight sync (`timing_s/update_weights`) was at most {max(sync_shares, default=0):.1f} % "
+                   "of the whole step in every mode:")  # fmt: skip
+        head = ["| mode | our step end (`partial/step_end_s`) | v1's 2 s poll: saved by its 0.05 s twin |",
+                "|---|---:|---:|"]  # fmt: skip
+    else:
+        caption = "Fixed real-clock costs per measured step (mean, min-max over rounds):"
+        head = ["| mode | our step end (`partial/step_end_s`) | weight sync (`timing_s/update_weights`) | v1's 2 s "
+                "poll: rollout phase saved by its 0.05 s twin, same round |", "|---|---:|---:|---:|"]  # fmt: skip
+    return "\n".join([caption, "", *head, *rows])
 
 
 # The length-aware presets' window (``length_window_steps`` of ``tail`` and ``tail_on_policy``, the same): trained
@@ -588,7 +596,7 @@ def length_windows(results: dict[str, Any], engine: str) -> str:
         "| mode | windows | trained length vs v0 sync, mean (min-max over windows and rounds) |",
         "|---|---:|---:|",
     ]
-    lines += [f"| {MODES[name].label} | {len(values)} | {spread(values)} |" for name, values in rows]
+    lines += [f"| `{name}` | {len(values)} | {spread(values)} |" for name, values in rows]
     return "\n".join(lines)
 
 
@@ -601,8 +609,13 @@ def label_of(results: dict[str, Any], engine: str) -> str:
     return results.get("engines", {}).get(engine, {}).get("label", "measured")
 
 
-def table(results: dict[str, Any], engine: str = "cpu_vllm") -> str:
-    """One engine's markdown table: one row per mode, mean (range) over rounds of each per-trained-token figure."""
+# The columns the evidence page leaves out (kept in the benchmark's own report): they qualify a run, not the comparison.
+DETAIL_COLUMNS = ("v1 spans max", "thrown away / step", "reward", "probe s", "peak summed RSS GiB")
+
+
+def table(results: dict[str, Any], engine: str = "cpu_vllm", compact: bool = False) -> str:
+    """One engine's markdown table: one row per mode, mean (range) over rounds of each per-trained-token figure;
+    ``compact`` leaves out :data:`DETAIL_COLUMNS`."""
     measured = by_mode(results, engine)
     lost: dict[str, list[str]] = {}
     for run in [*results["runs"], *results.get("set_aside", [])]:
@@ -643,11 +656,44 @@ def table(results: dict[str, Any], engine: str = "cpu_vllm") -> str:
             f"{statistics.fmean(r.reward for r in runs):.3f} | {spread(probes) if probes else 'n/a'} | "
             f"{spread([r.peak_rss_gib for r in runs], 1)} |"
         )
+    if compact:
+        lines = _drop_columns(lines, DETAIL_COLUMNS)
+        lines = _drop_columns(lines, _empty_columns(lines))
+        lines = [_names_for_labels(line).replace("n/a (no engine counters)", "n/a") for line in lines]
     missing = [MODES[m].label for m in results.get("modes", []) if not MODES[m].runnable_on(engine)]
     if missing:
         lines.append("")
         lines.append(f"Not run on {engine}: {', '.join(missing)} (no `{engine}_v1` backend in hydra_configs/backend).")
     return "\n".join(lines)
+
+
+def _names_for_labels(line: str) -> str:
+    """A row led by a mode's label, led by its short name instead (``v1_async_bound``)."""
+    for mode in MODES.values():
+        if line.startswith(f"| {mode.label} |"):
+            return f"| `{mode.name}` |" + line[len(f"| {mode.label} |") :]
+    return line
+
+
+def _empty_columns(lines: list[str]) -> tuple[str, ...]:
+    """The columns with nothing in any row ("-": e.g. v1 ratios in a file without v1 runs)."""
+    head = [cell.strip() for cell in lines[0].strip().strip("|").split("|")]
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines[2:]]
+    full = [row for row in rows if len(row) == len(head)]
+    return tuple(name for i, name in enumerate(head) if full and all(row[i] == "-" for row in full))
+
+
+def _drop_columns(lines: list[str], names: tuple[str, ...]) -> list[str]:
+    """A markdown table without the named columns (a row short of cells, e.g. a mode with no usable run, keeps what
+    it has)."""
+    head = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    keep = [i for i, name in enumerate(head) if name not in names]
+    out = []
+    for line in lines:
+        cells = line.strip().strip("|").split("|")
+        out.append("| " + " | ".join(cells[i].strip() for i in keep if i < len(cells)) + " |")
+    out[1] = "|" + "|".join(("---" if i == 0 else "---:") for i in range(len(keep))) + "|"
+    return out
 
 
 def verdict(values: list[float], goal: float | None) -> str:
@@ -711,23 +757,28 @@ def workload_of(results: dict[str, Any]) -> Workload:
     return Workload(**{k: v for k, v in stored.items() if k != "lengths"}, lengths=Lengths(**stored["lengths"]))
 
 
-def header(results: dict[str, Any]) -> str:
+def header(results: dict[str, Any], command: bool = True) -> str:
+    """The run's set-up in words; ``command=False`` where the command and commit are printed beside it already (it
+    then leaves out the software versions, which the results file keeps)."""
     m, wl = results["machine"], results["workload"]
     engines = ", ".join(f"{e} ({label_of(results, e)}"
                         + "".join(f", `{o}`" for o in results.get("engines", {}).get(e, {}).get("overrides", []))
                         + ")" for e in engines_of(results))  # fmt: skip
     rejected = sum(1 for run in [*results["runs"], *results.get("set_aside", [])] if run.get("rejected"))
+    software = (
+        f", Python {m['python']}, {m['packages']}, {results.get('transfer_queue', '')}; verl-partial "
+        f"{results.get('checkout', '?')}. Command: `{results['command']}`"
+    )
     return (
-        f"Run {m['date']} on {m['cpu']}, {m['cores']} cores, Python {m['python']}, {m['packages']}, "
-        f"{results.get('transfer_queue', '')}; verl-partial {results.get('checkout', '?')}. Engines: {engines}. "
-        f"Command: `{results['command']}`. Model: random Qwen2, {results['parameters'] / 1e6:.1f} M parameters, "
+        f"Run {m['date']} on {m['cpu']}, {m['cores']} cores{software if command else ''}. Engines: {engines}. "
+        + f"Model: random Qwen2, {results['parameters'] / 1e6:.1f} M parameters, "
         f"fp32; {wl['prompts']} prompts x n = {wl['n']} per step, {wl['slots']} engine slots; lengths lognormal "
         f"(median {wl['lengths']['median']:g}, sigma {wl['lengths']['sigma']:g}, cap {wl['lengths']['cap']}), imposed, "
         f"{_length_history(results)}. "
-        f"{wl['steps']} steps per run, steps >= {wl['first_measured']} measured; every run under the one heavy-run "
-        f"lock with {results.get('threads', '?')} threads in every process of every mode (benchmarks/harness.py); "
-        f"modes interleaved in {results['rounds']} round(s); ranges are min-max over rounds; speed-ups pair runs of "
-        f"the same round; {rejected} run(s) rejected for a busy machine and left out."
+        f"{wl['steps']} steps per run, steps >= {wl['first_measured']} measured; one lock, "
+        f"{results.get('threads', '?')} threads in every process (benchmarks/harness.py); {results['rounds']} "
+        f"interleaved round(s), ranges min-max over rounds, speed-ups paired by round; {rejected} run(s) rejected "
+        "(busy machine)."
         + (
             " SMOKE RUN: below the harness minimum (3 rounds, 10 measured steps), not evidence."
             if smoke(results)

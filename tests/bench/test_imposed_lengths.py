@@ -207,5 +207,5 @@ def test_trained_length_windows_pair_the_same_steps_of_the_same_round(peer: Modu
     assert peer.window_length_ratios(results, "cpu_vllm", "tail_on_policy", 4) == [0.4, 1.5]
     assert peer.window_length_ratios(results, "cpu_vllm", "default", 4) == []
     text = peer.length_windows(results, "cpu_vllm")
-    assert "| ours `+partial=tail` | 2 | 1.00 (1.00-1.00) |" in text
+    assert "| `tail` | 2 | 1.00 (1.00-1.00) |" in text
     assert "default`" not in text
