@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -382,6 +383,11 @@ class RunFigures:
         return self.tokens_trained / self.step_s
 
 
+def measured_steps(run: dict[str, Any], first: int) -> list[dict[str, Any]]:
+    """The run's steps from ``first`` on that logged a rollout phase: the steps every figure is read from."""
+    return [data for step, data in run["steps"].items() if int(step) >= first and "timing_s/gen" in data]
+
+
 def _mean(steps: list[dict[str, Any]], key: str) -> float:
     values = [float(step[key]) for step in steps if key in step]
     return statistics.fmean(values) if values else float("nan")
@@ -393,7 +399,7 @@ def _max(steps: list[dict[str, Any]], key: str) -> float:
 
 def figures(run: dict[str, Any], wl: Workload, gpu: EmulatedGpu | None = None) -> RunFigures | None:
     """The run's steady-state figures; None for a failed or rejected run, or one with no measured step."""
-    steps = [data for step, data in run["steps"].items() if int(step) >= wl.first_measured and "timing_s/gen" in data]
+    steps = measured_steps(run, wl.first_measured)
     if not usable(run) or not steps:
         return None
     mode = MODES[run["mode"]]
@@ -516,11 +522,6 @@ def window_length_ratios(results: dict[str, Any], engine: str, mode: str, window
     return out
 
 
-def _measured_mean(run: dict[str, Any], first: int, key: str) -> float | None:
-    values = [float(step[key]) for k, step in run["steps"].items() if int(k) >= first and key in step]
-    return statistics.fmean(values) if values else None
-
-
 def fixed_costs(results: dict[str, Any], engine: str, compact: bool = False) -> str:
     """The real-clock costs a faster GPU does not shrink, per measured step, beside the phase they sit in: our step
     end (take-back, aborts, ``abort_grace_s``, reopening: ``partial/step_end_s``, inside ``timing_s/gen``); weight
@@ -528,33 +529,28 @@ def fixed_costs(results: dict[str, Any], engine: str, compact: bool = False) -> 
     interval, not logged: the rollout phase it costs is the paired difference with the mode's 0.05 s-poll twin).
     ``compact``: shares only, modes by name."""
     first = workload_of(results).first_measured
-    runs = kept_runs(results, engine)
+    runs, figures_of = kept_runs(results, engine), by_mode(results, engine)
     rows = []
     sync_shares: list[float] = []
     for name in [m for m in MODES if any(run["mode"] == m for run in runs)]:
-        mine = [run for run in runs if run["mode"] == name]
-        end = [(_measured_mean(r, first, "partial/step_end_s"), _measured_mean(r, first, "timing_s/gen")) for r in mine]
-        sync = [(_measured_mean(r, first, "timing_s/update_weights"), _measured_mean(r, first, "timing_s/step"))
-                for r in mine]  # fmt: skip
+        mine = [measured_steps(run, first) for run in runs if run["mode"] == name]
+        end = [(_mean(steps, "partial/step_end_s"), _mean(steps, "timing_s/gen")) for steps in mine]
+        sync = [(_mean(steps, "timing_s/update_weights"), _mean(steps, "timing_s/step")) for steps in mine]
         end_cell = "-"
-        if MODES[name].partial is not None and all(a is not None and b for a, b in end):
+        if MODES[name].partial is not None and not any(math.isnan(a) for a, _ in end):
             share = f"{spread([100 * a / b for a, b in end], 1)} %"
             end_cell = share if compact else f"{spread([a for a, _ in end])} s ({share} of the phase)"
         sync_cell = "-"
-        if all(a is not None and b for a, b in sync):
+        if not any(math.isnan(a) for a, _ in sync):
             sync_shares += [100 * a / b for a, b in sync]
             share = f"{spread([100 * a / b for a, b in sync], 1)} %"
             sync_cell = f"{spread([a for a, _ in sync], 3)} s ({share} of the step)"
         poll_cell = "-"
         twin = f"{name}_fastpoll"
         if MODES[name].trainer == "v1" and twin in MODES:
-            paired = {int(r.get("round", 0)): r for r in runs if r["mode"] == twin}
-            shares = [
-                100 * (1 - _measured_mean(paired[int(r.get("round", 0))], first, "timing_s/gen")
-                       / _measured_mean(r, first, "timing_s/gen"))
-                for r in mine
-                if int(r.get("round", 0)) in paired
-            ]  # fmt: skip
+            # the same pairing by round as every speed-up: RunFigures' rollout phase, here as the share saved
+            pairs = same_round(figures_of.get(name, []), figures_of.get(twin, []))
+            shares = [100 * (1 - fast.gen_s / slow.gen_s) for slow, fast in pairs]
             if shares:
                 poll_cell = f"{spread(shares, 1)} %" + ("" if compact else " of the phase")
         if not compact:
@@ -583,9 +579,7 @@ def length_windows(results: dict[str, Any], engine: str) -> str:
     """What length-aware windows do to the data: our modes' trained length per window of ``length_window_steps``
     (the length-aware presets' window; 4) against v0 sync's over the same steps of the same round."""
     window = PRESETS_WINDOW
-    rows = [
-        (name, window_length_ratios(results, engine, name, window)) for name in MODES if MODES[name].partial is not None
-    ]
+    rows = [(name, window_length_ratios(results, engine, name, window)) for name, m in MODES.items() if m.partial]
     rows = [(name, values) for name, values in rows if values]
     if not rows:
         return ""
