@@ -190,7 +190,7 @@ class RunMonitor:
 
     def _other_cpu_times(self, tree: list[Any]) -> dict[int, float]:
         psutil = self._psutil
-        mine = {p.pid for p in tree} | {os.getpid()}
+        mine = {p.pid for p in tree} | set(self.threads) | {os.getpid()}
         out: dict[int, float] = {}
         for process in psutil.process_iter():
             if process.pid in mine:
@@ -233,9 +233,12 @@ class RunMonitor:
         return killed
 
     def stop(self) -> dict[str, Any]:
-        """Call once the run's root process has exited."""
+        """Call once the run's root process has exited. The last sample covers the time since the previous one,
+        which the mean's wall time includes: without it a run that ends just before a sample is due counts up to
+        ``period_s`` of other processes' CPU as idle."""
         self._stop.set()
         self._thread.join()
+        self.sample()
         leftovers = self._end_leftovers()
         wall = max(time.monotonic() - self.started, 1e-9)
         return {
