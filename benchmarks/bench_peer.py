@@ -45,6 +45,7 @@ import math
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -603,13 +604,48 @@ def label_of(results: dict[str, Any], engine: str) -> str:
     return results.get("engines", {}).get(engine, {}).get("label", "measured")
 
 
-# The columns the evidence page leaves out (kept in the benchmark's own report): they qualify a run, not the comparison.
-DETAIL_COLUMNS = ("v1 spans max", "thrown away / step", "reward", "probe s", "peak summed RSS GiB")
+@dataclasses.dataclass(frozen=True)
+class Column:
+    """One column of :func:`table`: its heading, its cell for a mode's runs, and whether it qualifies a run rather
+    than the comparison (``detail``: the evidence page leaves those out, the benchmark's own report keeps them)."""
+
+    name: str
+    cell: Callable[[list[RunFigures]], str]
+    detail: bool = False
+
+
+def _columns(v0: list[RunFigures], v1: list[RunFigures], compact: bool) -> list[Column]:
+    def occupancy(runs: list[RunFigures]) -> str:
+        values = [r.occupancy for r in runs if r.occupancy is not None]
+        return spread(values) if len(values) == len(runs) else ("n/a" if compact else "n/a (no engine counters)")
+
+    def staleness(runs: list[RunFigures]) -> str:
+        return f"{max(r.staleness_max for r in runs):.0f} ({statistics.fmean(r.staleness_mean for r in runs):.2f})"
+
+    def probe(runs: list[RunFigures]) -> str:
+        values = [r.probe_s for r in runs if r.probe_s is not None]
+        return spread(values) if values else "n/a"
+
+    return [
+        Column("rollout ms / trained token", lambda runs: spread([r.gen_ms_per_token for r in runs])),
+        Column("whole step ms / trained token", lambda runs: spread([r.step_ms_per_token for r in runs])),
+        Column("rollout vs v0 sync", lambda runs: speedup(v0, runs, "rollout")),
+        Column("step vs v0 sync", lambda runs: speedup(v0, runs, "step")),
+        Column("rollout vs v1 colocate_async (bound)", lambda runs: speedup(v1, runs, "rollout")),
+        Column("step vs v1 colocate_async (bound)", lambda runs: speedup(v1, runs, "step")),
+        Column("slot occupancy", occupancy),
+        Column("staleness max (mean)", staleness),
+        Column("v1 spans max", lambda runs: f"{max(r.spans_max for r in runs):.0f}", detail=True),
+        Column("thrown away / step", lambda runs: runs[-1].discarded, detail=True),
+        Column("reward", lambda runs: f"{statistics.fmean(r.reward for r in runs):.3f}", detail=True),
+        Column("probe s", probe, detail=True),
+        Column("peak summed RSS GiB", lambda runs: spread([r.peak_rss_gib for r in runs], 1), detail=True),
+    ]
 
 
 def table(results: dict[str, Any], engine: str = "cpu_vllm", compact: bool = False) -> str:
-    """One engine's markdown table: one row per mode, mean (range) over rounds of each per-trained-token figure;
-    ``compact`` leaves out :data:`DETAIL_COLUMNS`."""
+    """One engine's markdown table: one row per mode, mean (range) over rounds of each per-trained-token figure.
+    ``compact`` (the evidence page): modes by short name, no detail columns, no column empty in every row."""
     measured = by_mode(results, engine)
     lost: dict[str, list[str]] = {}
     for run in [*results["runs"], *results.get("set_aside", [])]:
@@ -619,14 +655,9 @@ def table(results: dict[str, Any], engine: str = "cpu_vllm", compact: bool = Fal
             lost.setdefault(run["mode"], []).append("rejected" if run.get("rejected") else "failed")
         elif emulated_gpu(results, engine) is not None and overran(run):
             lost.setdefault(run["mode"], []).append("overran")
-    v0, v1 = measured.get("v0_sync", []), measured.get("v1_async_bound", [])
-    lines = [
-        "| mode | rounds | rollout ms / trained token | whole step ms / trained token | rollout vs v0 sync | "
-        "step vs v0 sync | rollout vs v1 colocate_async (bound) | step vs v1 colocate_async (bound) | "
-        "slot occupancy | staleness max (mean) | v1 spans max | thrown away / step | reward | probe s | "
-        "peak summed RSS GiB |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    columns = _columns(measured.get("v0_sync", []), measured.get("v1_async_bound", []), compact)
+    columns = [column for column in columns if not (compact and column.detail)]
+    rows: list[tuple[str, str, list[str] | None]] = []  # mode, rounds, cells (None: no usable run)
     for name in [m for m in MODES if m in measured or m in lost]:
         runs = measured.get(name, [])
         note = "".join(
@@ -634,60 +665,23 @@ def table(results: dict[str, Any], engine: str = "cpu_vllm", compact: bool = Fal
             for why in ("failed", "rejected", "overran")
             if why in lost.get(name, [])
         )
-        if not runs:
-            why = "/".join(sorted(set(lost[name])))
-            lines.append(f"| {MODES[name].label} | 0{note} | {why} |" + " |" * 13)
-            continue
-        occupancy = [r.occupancy for r in runs if r.occupancy is not None]
-        probes = [r.probe_s for r in runs if r.probe_s is not None]
-        lines.append(
-            f"| {MODES[name].label} | {len(runs)}{note} | {spread([r.gen_ms_per_token for r in runs])} | "
-            f"{spread([r.step_ms_per_token for r in runs])} | {speedup(v0, runs, 'rollout')} | "
-            f"{speedup(v0, runs, 'step')} | {speedup(v1, runs, 'rollout')} | {speedup(v1, runs, 'step')} | "
-            f"{spread(occupancy) if len(occupancy) == len(runs) else 'n/a (no engine counters)'} | "
-            f"{max(r.staleness_max for r in runs):.0f} ({statistics.fmean(r.staleness_mean for r in runs):.2f}) | "
-            f"{max(r.spans_max for r in runs):.0f} | {runs[-1].discarded} | "
-            f"{statistics.fmean(r.reward for r in runs):.3f} | {spread(probes) if probes else 'n/a'} | "
-            f"{spread([r.peak_rss_gib for r in runs], 1)} |"
-        )
-    if compact:
-        lines = _drop_columns(lines, DETAIL_COLUMNS)
-        lines = _drop_columns(lines, _empty_columns(lines))
-        lines = [_names_for_labels(line).replace("n/a (no engine counters)", "n/a") for line in lines]
+        rows.append((name, f"{len(runs)}{note}", [column.cell(runs) for column in columns] if runs else None))
+    if compact:  # e.g. the v1 ratios of a file without v1 runs
+        filled = [cells for _, _, cells in rows if cells is not None]
+        keep = [i for i in range(len(columns)) if not filled or any(cells[i] != "-" for cells in filled)]
+        columns = [columns[i] for i in keep]
+        rows = [(name, n, None if cells is None else [cells[i] for i in keep]) for name, n, cells in rows]
+    lines = ["| mode | rounds | " + " | ".join(column.name for column in columns) + " |",
+             "|---|" + "---:|" * (len(columns) + 1)]  # fmt: skip
+    for name, n, cells in rows:
+        if cells is None:
+            cells = ["/".join(sorted(set(lost[name])))] + [""] * (len(columns) - 1)
+        lines.append(f"| {f'`{name}`' if compact else MODES[name].label} | {n} | " + " | ".join(cells) + " |")
     missing = [MODES[m].label for m in results.get("modes", []) if not MODES[m].runnable_on(engine)]
     if missing:
         lines.append("")
         lines.append(f"Not run on {engine}: {', '.join(missing)} (no `{engine}_v1` backend in hydra_configs/backend).")
     return "\n".join(lines)
-
-
-def _names_for_labels(line: str) -> str:
-    """A row led by a mode's label, led by its short name instead (``v1_async_bound``)."""
-    for mode in MODES.values():
-        if line.startswith(f"| {mode.label} |"):
-            return f"| `{mode.name}` |" + line[len(f"| {mode.label} |") :]
-    return line
-
-
-def _empty_columns(lines: list[str]) -> tuple[str, ...]:
-    """The columns with nothing in any row ("-": e.g. v1 ratios in a file without v1 runs)."""
-    head = [cell.strip() for cell in lines[0].strip().strip("|").split("|")]
-    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines[2:]]
-    full = [row for row in rows if len(row) == len(head)]
-    return tuple(name for i, name in enumerate(head) if full and all(row[i] == "-" for row in full))
-
-
-def _drop_columns(lines: list[str], names: tuple[str, ...]) -> list[str]:
-    """A markdown table without the named columns (a row short of cells, e.g. a mode with no usable run, keeps what
-    it has)."""
-    head = [cell.strip() for cell in lines[0].strip("|").split("|")]
-    keep = [i for i, name in enumerate(head) if name not in names]
-    out = []
-    for line in lines:
-        cells = line.strip().strip("|").split("|")
-        out.append("| " + " | ".join(cells[i].strip() for i in keep if i < len(cells)) + " |")
-    out[1] = "|" + "|".join(("---" if i == 0 else "---:") for i in range(len(keep))) + "|"
-    return out
 
 
 def verdict(values: list[float], goal: float | None) -> str:
