@@ -19,6 +19,7 @@ condition, on ours.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -32,11 +33,14 @@ from verl_partial.demo.assets import DemoAssets
 
 pytestmark = pytest.mark.e2e
 
-QUEUE_STEPS, GROUPS, N = 4, 4, 8
+QUEUE_STEPS, GROUPS, N = 3, 4, 8
 MAX_NUM_SEQS = 4
+# Half the demo's response length: every answer still passes a KV block boundary (below), the engine still works in
+# waves, and the condition costs half the decode time (this fixture was the vLLM tier's slowest: 489 s in CI).
+QUEUE_RESPONSE_LENGTH = 144
 DEFAULT_ABORT_GRACE_S = PartialConfig().abort_grace_s
-# vLLM's CPU backend uses 128-token KV blocks: 4 blocks hold the demo's longest prompt + answer (320 tokens) once
-# but not 4 running sequences once they pass 128 tokens, so the engine also queues (and preempts) for want of KV.
+# vLLM's CPU backend uses 128-token KV blocks: 4 blocks hold the demo's longest prompt + answer once but not 4 running
+# sequences once they pass 128 tokens, so the engine also queues (and preempts) for want of KV.
 KV_BLOCKS = 4
 
 
@@ -66,13 +70,15 @@ def _queue_overrides(assets: DemoAssets, output_dir: Path, backend: str) -> list
 @pytest.fixture(scope="module", params=BACKENDS)
 def queued_run(request, demo_assets, tmp_path_factory) -> Run:
     output_dir = tmp_path_factory.mktemp(f"queued_{request.param}")
+    assets = dataclasses.replace(demo_assets, max_response_length=QUEUE_RESPONSE_LENGTH)
+    assert assets.max_prompt_length + QUEUE_RESPONSE_LENGTH > 128  # an answer crosses a KV block boundary
     run = run_trainer(
-        demo_assets,
+        assets,
         output_dir,
         steps=QUEUE_STEPS,
         partial="default",
         backend=request.param,
-        extra=_queue_overrides(demo_assets, output_dir, request.param),
+        extra=_queue_overrides(assets, output_dir, request.param),
     )
     run.assert_ok()
     return run
