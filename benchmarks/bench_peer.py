@@ -684,16 +684,18 @@ def table(results: dict[str, Any], engine: str = "cpu_vllm", compact: bool = Fal
     return "\n".join(lines)
 
 
-def verdict(values: list[float], goal: float | None) -> str:
+def verdict(values: list[float], goal: float | None, unit: str = "x", restate: bool = True) -> str:
     """A goal is met only where every round's figure reaches it (the range's low end), over at least
-    :data:`~benchmarks.harness.MIN_ROUNDS` rounds; not met where no round does; otherwise undecided."""
+    :data:`~benchmarks.harness.MIN_ROUNDS` rounds; not met where no round does; otherwise undecided. ``restate``:
+    name the goal's value (left out where the goal is printed beside the verdict)."""
     if goal is None:
         return ""
+    prefix = f"goal {goal}{unit} " if restate else ""
     if len(values) < MIN_ROUNDS:
-        return f" -- goal {goal}x undecided: {len(values)} round(s), at least {MIN_ROUNDS} needed"
+        return f"{prefix}undecided: {len(values)} round(s), at least {MIN_ROUNDS} needed"
     if min(values) >= goal:
-        return " -- goal met in every round"
-    return f" -- goal {goal}x " + ("not met" if max(values) < goal else "met in some rounds only: not met")
+        return "goal met in every round" if restate else "met in every round"
+    return prefix + ("not met" if max(values) < goal else "met in some rounds only: not met")
 
 
 def best_ratios(runs: dict[str, list[RunFigures]], against: str, figure: str) -> list[float]:
@@ -709,35 +711,71 @@ def best_ratios(runs: dict[str, list[RunFigures]], against: str, figure: str) ->
     return [best[round_] for round_ in sorted(best)]
 
 
-def goals(results: dict[str, Any], engine: str) -> str:
+@dataclasses.dataclass(frozen=True)
+class GoalOutcome:
+    """One goal as measured: its figure round by round, from which the verdict follows; ``values`` is empty where
+    no round could give the figure (``missing`` says why). Data, so the benchmark's report and the evidence page
+    each render it their way and neither parses the other's words."""
+
+    ours: str  # a mode's name, or BEST
+    against: str | None  # None: the figure is a level (occupancy), not a ratio
+    figure: str
+    goal: float
+    values: tuple[float, ...]
+    missing: str = ""
+
+    @property
+    def unit(self) -> str:
+        return "" if self.against is None else "x"
+
+    def subject(self, by_name: bool) -> str:
+        """``by_name``: modes as their short names (the evidence page), else as their labels (the report)."""
+
+        def mode(name: str) -> str:
+            return f"`{name}`" if by_name else MODES[name].label
+
+        ours = "the best of our modes at staleness <= 1" if self.ours == BEST else mode(self.ours)
+        if self.against is None:
+            return f"{ours} {FIGURES[self.figure]} (goal >= {self.goal})"
+        return f"{ours} against {mode(self.against)} (goal >= {self.goal}x), {FIGURES[self.figure]} per trained token"
+
+    def verdict(self, restate: bool = True) -> str:
+        if self.missing:
+            return f"goal not shown: {self.missing}"
+        return verdict(list(self.values), self.goal, self.unit, restate)
+
+    def report_line(self) -> str:
+        if self.missing:
+            return f"- {self.subject(by_name=False)}: {self.verdict()}."
+        figures = f"{spread(list(self.values))}{self.unit} over {len(self.values)} round(s)"
+        return f"- {self.subject(by_name=False)}: {figures} -- {self.verdict()}."
+
+    def short(self) -> str:
+        """The verdict alone (its figures are in the table beside it)."""
+        return f"{self.subject(by_name=True)}: {self.verdict(restate=False)}"
+
+
+def goal_outcomes(results: dict[str, Any], engine: str) -> list[GoalOutcome]:
     """The speed issue's goals for ``engine``'s label, each from the paired per-round figures."""
     runs = by_mode(results, engine)
+    outcomes = []
+    for ours, against, figure, goal in GOALS.get(label_of(results, engine), ()):
+        if against is None:
+            values = [r.occupancy for r in runs.get(ours, []) if r.occupancy is not None]
+            missing = "" if values else "the engine exposes no counters"
+        else:
+            values = best_ratios(runs, against, figure) if ours == BEST else ratios(
+                runs.get(against, []), runs.get(ours, []), figure)  # fmt: skip
+            missing = "" if values else "not measured (no round with a usable run of both)"
+        outcomes.append(GoalOutcome(ours, against, figure, goal, tuple(values), missing))
+    return outcomes
+
+
+def goals(results: dict[str, Any], engine: str) -> str:
+    """The goals of :func:`goal_outcomes` in the benchmark's report."""
     lines = [f"{engine} ({label_of(results, engine)}); a goal is met only where the low end of its range over "
              f">= {MIN_ROUNDS} rounds reaches it:"]  # fmt: skip
-    for ours, against, figure, goal in GOALS.get(label_of(results, engine), ()):
-        if figure == "occupancy":
-            values = [r.occupancy for r in runs.get(ours, []) if r.occupancy is not None]
-            if not values:
-                lines.append(f"- {MODES[ours].label} slot occupancy (goal >= {goal}): n/a, the engine exposes no "
-                             "counters -- goal not shown.")  # fmt: skip
-                continue
-            lines.append(f"- {MODES[ours].label} slot occupancy (goal >= {goal}): {spread(values)} over "
-                         f"{len(values)} round(s){verdict(values, goal)}.")  # fmt: skip
-            continue
-        assert against is not None
-        if ours == BEST:
-            pairs, label = best_ratios(runs, against, figure), "the best of our modes at staleness <= 1"
-        else:
-            pairs, label = ratios(runs.get(against, []), runs.get(ours, []), figure), MODES[ours].label
-        if not pairs:
-            lines.append(f"- {label} against {MODES[against].label}, {FIGURES[figure]}: not measured (no "
-                         "round with a usable run of both) -- goal not shown.")  # fmt: skip
-            continue
-        lines.append(
-            f"- {label} against {MODES[against].label} (goal >= {goal}x), {FIGURES[figure]} per trained "
-            f"token: {spread(pairs)}x over {len(pairs)} round(s){verdict(pairs, goal)}."
-        )
-    return "\n".join(lines)
+    return "\n".join(lines + [outcome.report_line() for outcome in goal_outcomes(results, engine)])
 
 
 def workload_of(results: dict[str, Any]) -> Workload:

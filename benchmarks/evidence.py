@@ -111,22 +111,9 @@ def _span(values: list[float], spec: str) -> str:
 
 def _peer_goals(data: Mapping[str, Any]) -> str:
     """The goal verdicts of bench_peer.py, words only: their ratios are in the table below them."""
-    from benchmarks.bench_peer import goals
+    from benchmarks.bench_peer import goal_outcomes
 
-    engine = _peer_engine(data)
-    lines = goals(dict(data), engine).splitlines()[1:]
-    return "; ".join(_verdict_words(line) for line in lines)
-
-
-def _verdict_words(line: str) -> str:
-    """``- <what> (goal >= x): <figures> -- goal met`` as ``<what> (goal >= x): met``."""
-    from benchmarks.bench_peer import MODES
-
-    what, _, rest = line.lstrip("- ").partition(":")
-    verdict = rest.rpartition("-- ")[2].rstrip(".") if "-- " in rest else rest.strip().rstrip(".")
-    for mode in sorted(MODES.values(), key=lambda mode: -len(mode.label)):  # the longest label first
-        what = what.replace(mode.label, f"`{mode.name}`")
-    return f"{what}: {verdict}"
+    return "; ".join(outcome.short() for outcome in goal_outcomes(dict(data), _peer_engine(data)))
 
 
 def _peer_engine(data: Mapping[str, Any]) -> str:

@@ -89,10 +89,30 @@ def test_partial_presets_are_refused_on_v1(peer: ModuleType) -> None:
 
 def test_goal_verdicts_use_every_round(peer: ModuleType) -> None:
     """A goal is met only where the low end of the range reaches it, over at least 3 rounds."""
-    assert peer.verdict([1.6, 1.7, 1.8], 1.5) == " -- goal met in every round"
-    assert peer.verdict([1.4, 1.7, 1.8], 1.5) == " -- goal 1.5x met in some rounds only: not met"
-    assert peer.verdict([1.1, 1.2, 1.3], 1.5) == " -- goal 1.5x not met"
+    assert peer.verdict([1.6, 1.7, 1.8], 1.5) == "goal met in every round"
+    assert peer.verdict([1.4, 1.7, 1.8], 1.5) == "goal 1.5x met in some rounds only: not met"
+    assert peer.verdict([1.1, 1.2, 1.3], 1.5) == "goal 1.5x not met"
     assert "undecided: 2 round(s)" in peer.verdict([1.6, 1.7], 1.5)
+    assert peer.verdict([1.1, 1.2, 1.3], 1.5, restate=False) == "not met"
+
+
+def test_goal_outcomes_pair_rounds_and_render_for_report_and_evidence(peer: ModuleType) -> None:
+    """One outcome per goal, rendered in full for the report (labels, figures) and short for the evidence page
+    (names, verdict only); an occupancy goal is a level, so it carries no "x"."""
+    wl = peer.Workload(steps=3)
+    results = {"workload": dataclasses.asdict(wl), "engines": {"cpu": {"label": "emulated"}}, "runs": [
+        {**_run("v0_sync", 3.0, 4.0, 50.0, r), "engine": "cpu"} for r in range(3)] + [
+        {**_run("default", 2.0, 4.0, 50.0, r), "engine": "cpu"} for r in range(3)]}  # fmt: skip
+    by_goal = {(o.ours, o.against, o.figure): o for o in peer.goal_outcomes(results, "cpu")}
+    vs_sync = by_goal[("default", "v0_sync", "rollout")]
+    assert vs_sync.values == pytest.approx((1.5, 1.5, 1.5)) and vs_sync.verdict() == "goal 1.8x not met"
+    assert "1.50 (1.50-1.50)x over 3 round(s) -- goal 1.8x not met." in vs_sync.report_line()
+    assert vs_sync.report_line().startswith(f"- {peer.MODES['default'].label} against {peer.MODES['v0_sync'].label}")
+    assert vs_sync.short() == ("`default` against `v0_sync` (goal >= 1.8x), rollout phase per trained token: "
+                               "not met")  # fmt: skip
+    assert by_goal[("default", "v1_async_bound", "rollout")].verdict().startswith("goal not shown: not measured")
+    occupancy = by_goal[("default", None, "occupancy")]
+    assert occupancy.short() == "`default` slot occupancy (goal >= 0.9): goal not shown: the engine exposes no counters"
 
 
 def test_hooks_name_the_importable_module(peer: ModuleType) -> None:
