@@ -64,3 +64,14 @@ def test_trainer_workers_get_the_machines_cores(model: str, backend: str) -> Non
         ray.shutdown()
         set_platform(platform)
     assert (threads, omp) == (cpu_threads(), str(cpu_threads()))
+
+
+THREADS = "+ray_kwargs.ray_init.runtime_env.env_vars.OMP_NUM_THREADS"
+
+
+def test_a_thread_count_read_as_a_number_is_refused_naming_the_key(model: str) -> None:
+    """Hydra reads ``OMP_NUM_THREADS=1`` as an int; Ray would refuse it inside ``ray.init`` naming no config key."""
+    with pytest.raises(ValueError, match=r"env_vars\.OMP_NUM_THREADS=1: Ray takes environment variables as strings"):
+        run_driver("+backend=cpu", model, f"{THREADS}=1")
+    config = run_driver("+backend=cpu", model, f"{THREADS}='1'").config
+    assert config.ray_kwargs.ray_init.runtime_env.env_vars.OMP_NUM_THREADS == "1"  # the user's value, not ours

@@ -13,6 +13,8 @@ from verl_partial.patches.cpu import CPU_PLATFORM_ENV, CPU_ROLLOUT_NAME, _select
 
 # Top-level config blocks that only exist when one of our Hydra groups was selected.
 OUR_CONFIG_BLOCKS = ("backend", "partial", "rollout_correction", "balance")
+# What every Ray process of the job gets as its environment (verl merges it into its own runtime env).
+ENV_VARS_KEY = "ray_kwargs.ray_init.runtime_env.env_vars"
 
 
 def _wrap_driver_entry() -> None:
@@ -39,6 +41,7 @@ def _wrap_driver_entry() -> None:
             # +backend=cpu_vllm_v1 (verl's v1 trainer) carries no backend block, only VERL_PLATFORM=cpu for its
             # Ray processes: the driver follows them, else verl's auto_set_device sets trainer.device=cuda.
             _select_cpu_platform_in_driver()
+            _check_env_vars_are_strings(config)
             _export_cpu_threads(config)
             _export_emulated_gpu(config)
         return original(config)
@@ -58,6 +61,21 @@ def _export_to_ray_processes(config: Any, name: str, value: str) -> None:
         runtime_env["env_vars"] = {**env_vars, name: value}
 
 
+def _check_env_vars_are_strings(config: Any) -> None:
+    """Hydra reads ``...env_vars.OMP_NUM_THREADS=1`` as an int, which Ray refuses inside ``ray.init`` with a
+    ``TypeError`` about ``runtime_env['env_vars']`` that names no config key; refused here, naming the key and the
+    quoting that makes it a string. The threads setting is the one a CPU user is told to set (docs/engines.md)."""
+    from omegaconf import OmegaConf
+
+    env_vars = OmegaConf.select(config, ENV_VARS_KEY, default=None) or {}
+    for name, value in env_vars.items():
+        if not isinstance(value, str):
+            raise ValueError(
+                f"{ENV_VARS_KEY}.{name}={value!r}: Ray takes environment variables as strings only; quote the "
+                f"value on the command line: {ENV_VARS_KEY}.{name}=\"'{value}'\""
+            )
+
+
 def cpu_threads() -> int:
     """The cores this process may run on (its affinity mask, as a container or ``taskset`` limits it)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -75,7 +93,7 @@ def _export_cpu_threads(config: Any) -> None:
     """
     from omegaconf import OmegaConf
 
-    if OmegaConf.select(config, "ray_kwargs.ray_init.runtime_env.env_vars.OMP_NUM_THREADS", default=None) is None:
+    if OmegaConf.select(config, f"{ENV_VARS_KEY}.OMP_NUM_THREADS", default=None) is None:
         _export_to_ray_processes(config, "OMP_NUM_THREADS", str(cpu_threads()))
 
 
@@ -94,7 +112,7 @@ def _export_emulated_gpu(config: Any) -> None:
     if backend is not None and backend.emulate_gpu is not None:
         _export_to_ray_processes(config, EMULATE_GPU_ENV, backend.emulate_gpu)
         return
-    key = f"ray_kwargs.ray_init.runtime_env.env_vars.{EMULATE_GPU_ENV}"
+    key = f"{ENV_VARS_KEY}.{EMULATE_GPU_ENV}"
     direct = OmegaConf.select(config, key, default=None)
     if direct:
         EmulatedGpu.parse(str(direct))
