@@ -713,16 +713,23 @@ def best_ratios(runs: dict[str, list[RunFigures]], against: str, figure: str) ->
 
 @dataclasses.dataclass(frozen=True)
 class GoalOutcome:
-    """One goal as measured: its figure round by round, from which the verdict follows; ``values`` is empty where
-    no round could give the figure (``missing`` says why). Data, so the benchmark's report and the evidence page
-    each render it their way and neither parses the other's words."""
+    """One goal as measured: its figure round by round, from which the verdict follows (``values`` is empty where
+    no round could give it). Data, so the benchmark's report and the evidence page each render it their way and
+    neither parses the other's words."""
 
     ours: str  # a mode's name, or BEST
     against: str | None  # None: the figure is a level (occupancy), not a ratio
     figure: str
     goal: float
     values: tuple[float, ...]
-    missing: str = ""
+
+    @property
+    def missing(self) -> str:
+        """Why no round gives the figure ("" where one does)."""
+        if self.values:
+            return ""
+        return "the engine exposes no counters" if self.against is None else (
+            "not measured (no round with a usable run of both)")  # fmt: skip
 
     @property
     def unit(self) -> str:
@@ -762,12 +769,10 @@ def goal_outcomes(results: dict[str, Any], engine: str) -> list[GoalOutcome]:
     for ours, against, figure, goal in GOALS.get(label_of(results, engine), ()):
         if against is None:
             values = [r.occupancy for r in runs.get(ours, []) if r.occupancy is not None]
-            missing = "" if values else "the engine exposes no counters"
         else:
             values = best_ratios(runs, against, figure) if ours == BEST else ratios(
                 runs.get(against, []), runs.get(ours, []), figure)  # fmt: skip
-            missing = "" if values else "not measured (no round with a usable run of both)"
-        outcomes.append(GoalOutcome(ours, against, figure, goal, tuple(values), missing))
+        outcomes.append(GoalOutcome(ours, against, figure, goal, tuple(values)))
     return outcomes
 
 
