@@ -82,25 +82,28 @@ def _final_rewards(data: Mapping[str, Any], *names: str) -> str:
     return ", ".join(f"{name} {modes[name]['final_reward'][0]:.3f}" for name in names)
 
 
-def _gpu_modes(data: Mapping[str, Any]) -> str:
-    """Rollout phase per trained token against sync, per mode, from gpu_engine_curve.py's summary lines."""
-    modes = [line for line in data["lines"] if line["kind"] == "rollout_mode" and line["mode"] != "sync"]
-    return ", ".join(f"{line['mode']} {line['vs_sync_per_trained_token']:.2f}x" for line in modes)
-
-
-def _gpu_occupancy(data: Mapping[str, Any]) -> str:
-    modes = [line for line in data["lines"] if line["kind"] == "rollout_mode"]
-    return ", ".join(f"{line['mode']} {line['slot_occupancy']:.2f}" for line in modes)
+def _gpu_rollout(data: Mapping[str, Any], key: str, unit: str = "", baseline: str | None = None) -> str:
+    """One per-mode value of gpu_engine_curve.py's summary lines, by requests in flight, min-max over its runs;
+    the ``baseline`` mode (1.00 by definition) left out."""
+    rows = [line for run in data["runs"] for line in run if line["kind"] == "rollout_mode" and line["mode"] != baseline]
+    out = []
+    for in_flight in sorted({row["in_flight"] for row in rows}):
+        modes: dict[str, list[float]] = {}
+        for row in rows:
+            if row["in_flight"] == in_flight:
+                modes.setdefault(row["mode"], []).append(row[key])
+        out.append(f"at {in_flight}: " + ", ".join(f"{m} {_span(v, '.2f')}{unit}" for m, v in modes.items()))
+    return "; ".join(out)
 
 
 def _gpu_step_curve(data: Mapping[str, Any]) -> str:
     """Decode step time over 1-256 running requests at context 512, and its distance from the roofline at 256."""
-    steps = [line for line in data["lines"] if line["kind"] == "decode_step" and line["context"] == 512]
-    times = [line["step_ms"] for line in steps]
-    widest = max(steps, key=lambda line: line["running"])
+    steps = [line for run in data["runs"] for line in run if line["kind"] == "decode_step" and line["context"] == 512]
+    widest = max(line["running"] for line in steps)
+    at_widest = [line["measured_over_roofline"] for line in steps if line["running"] == widest]
     return (
-        f"{min(times):.1f}-{max(times):.1f} ms from 1 to {widest['running']} requests; "
-        f"{widest['measured_over_roofline']:.0f}x the roofline at {widest['running']}"
+        f"{_span([line['step_ms'] for line in steps], '.1f')} ms from 1 to {widest} requests; "
+        f"{_span(at_widest, '.0f')}x the roofline at {widest}"
     )
 
 
@@ -218,27 +221,25 @@ def _scheduler_ray_calls(data: Mapping[str, Any]) -> str:
 # The registry: every figure of the page, once. Ids are the anchors the README and guides link to.
 FIGURES: tuple[Figure, ...] = (
     Figure(
-        id="gpu-h200-engine",
-        claim="our PyTorch engine (not vLLM) on one H200, random 1.1B Llama in bf16, 256 requests in flight, 8 steps, "
-        "imposed long-tail answers (median 64, p99/p50 8, cap 512): rollout phase per trained token against sync; "
-        "`default` and `tail` admitting by finished groups (before `partial.fill_engine`); `tail` given the "
-        "imposed lengths as its history: an oracle, so an upper bound",
-        source="gpu_engine_curve_h200.jsonl",
+        id="gpu-h100-rollout",
+        claim="our PyTorch engine (not vLLM), one H100, random 1.1B Llama in bf16, 256 slots, 128 or 256 requests a "
+        "step, imposed answers (median 64, p99/p50 8, cap 512), modes interleaved by step, 2 runs of 8 steps (one "
+        "at 256 cut to 4): rollout phase per trained token against sync, and slot occupancy (against full "
+        "256-request steps, 18-32 ms), min-max over runs; `tail`'s history is one earlier "
+        "epoch (a prompt keeps half its log-length variance), not an oracle",
+        source="gpu_engine_curve_h100.jsonl",
         label="measured",
-        value=_gpu_modes,
+        value=lambda data: (
+            _gpu_rollout(data, "vs_sync_per_trained_token", "x", baseline="sync")
+            + "; occupancy "
+            + _gpu_rollout(data, "slot_occupancy")
+        ),
     ),
     Figure(
-        id="gpu-h200-occupancy",
-        claim="the same runs: slot occupancy (trained tokens over the slots x full-batch steps the phase could hold)",
-        source="gpu_engine_curve_h200.jsonl",
-        label="measured",
-        value=_gpu_occupancy,
-    ),
-    Figure(
-        id="gpu-h200-step-curve",
-        claim="the same engine and model: decode step time by running requests at context 512 (eager PyTorch, "
-        "overhead-bound), against the roofline of the simulator's hardware model",
-        source="gpu_engine_curve_h200.jsonl",
+        id="gpu-h100-step-curve",
+        claim="the same runs: decode step time by running requests at context 512 (eager PyTorch, overhead-bound: "
+        "flat in the batch, one run twice as slow), against the simulator's roofline",
+        source="gpu_engine_curve_h100.jsonl",
         label="measured",
         value=_gpu_step_curve,
     ),
@@ -330,14 +331,13 @@ FIGURES: tuple[Figure, ...] = (
 )
 
 _UNEQUAL_HARNESS = (
-    "measured with the unequal harness: only some modes got the worker_process_setup_hook, so modes ran with "
-    "different torch thread counts (1 vs 2 threads on a 2-core machine); the speed-ups compare thread counts as "
-    "much as schedulers"
+    "the unequal harness: only some modes got the worker_process_setup_hook, so modes trained on 1 or 2 torch "
+    "threads of 2 cores; the speed-ups compare thread counts as much as schedulers"
 )
 
 _EARLIER_ADMISSION = (
-    "measured before `default` and `tail` admitted groups into the engines' free slots (`partial.fill_engine`, issue "
-    "25 item 5): the runs admitted by finished groups only, which the presets no longer do; not re-measured yet"
+    "measured before `partial.fill_engine` (issue 25 item 5): the runs admitted by finished groups only, which the "
+    "presets no longer do; not re-measured yet"
 )
 
 WITHDRAWN: tuple[Withdrawn, ...] = (
@@ -356,6 +356,13 @@ WITHDRAWN: tuple[Withdrawn, ...] = (
         why=_UNEQUAL_HARNESS,
     ),
     Withdrawn(
+        figure="H200, our engine, 256 in flight: `default` 1.31x, `tail` 1.51x sync per trained token; occupancy "
+        "0.18-0.28",
+        sources=("gpu_engine_curve_h200.jsonl",),
+        script="benchmarks/gpu_engine_curve.py",
+        why="before `partial.fill_engine`; re-measured on an H100",
+    ),
+    Withdrawn(
         figure="`default` vs sync on the demo task, 64 steps x 3 seeds: whole step per trained token 0.96x, final "
         "reward 0.377 against sync's 0.363; `tail` vs sync: final reward 0.644 against 0.643",
         sources=("learning_curves.json", "learning_curves_tail.json"),
@@ -372,28 +379,39 @@ WITHDRAWN: tuple[Withdrawn, ...] = (
 )
 
 
-def last_run(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """A JSON-lines results file (written as it goes, one line per measurement, e.g. gpu_engine_curve.py): the
-    ``run`` line and every line of the last run it holds (a file appended to by several runs tells them apart by
-    ``run_id``). The ``run`` line is ``{}`` where the file has none."""
+def runs(path: Path) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
+    """A JSON-lines results file (written as it goes, one line per measurement, e.g. gpu_engine_curve.py), run by
+    run in file order: each run's ``run`` line (``{}`` where it has none) and every line of that run (a file appended
+    to by several runs tells them apart by ``run_id``)."""
     lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    run_id = lines[-1].get("run_id") if lines else None
-    lines = [line for line in lines if line.get("run_id") == run_id]
-    return next((line for line in lines if line.get("kind") == "run"), {}), lines
+    ids = list(dict.fromkeys(line.get("run_id") for line in lines))
+    grouped = [[line for line in lines if line.get("run_id") == run_id] for run_id in ids]
+    return [(next((line for line in run if line.get("kind") == "run"), {}), run) for run in grouped]
+
+
+def last_run(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The last run of a JSON-lines results file (what its own report prints)."""
+    found = runs(path)
+    return found[-1] if found else ({}, [])
 
 
 def _load(name: str) -> Mapping[str, Any]:
-    """A results file; a JSON-lines file is read as its last run's ``run`` line's provenance plus that run's lines
-    under ``lines``."""
+    """A results file; a JSON-lines file is read as its runs' lines under ``runs`` (file order), with their
+    provenance: the last run's date, and every distinct command and commit, in order."""
     path = RESULTS / name
     if path.suffix != ".jsonl":
         return json.loads(path.read_text())
-    head, lines = last_run(path)
+    heads = [head for head, _ in runs(path)]
+
+    def distinct(key: str) -> str | None:
+        values = list(dict.fromkeys(str(head[key]) for head in heads if head.get(key)))
+        return "; ".join(values) or None
+
     return {
-        "command": head.get("command"),
-        "machine": {"date": head.get("date")},
-        "commit": head.get("commit"),
-        "lines": lines,
+        "command": distinct("command"),
+        "machine": {"date": heads[-1].get("date") if heads else None},
+        "commit": distinct("commit"),
+        "runs": [lines for _, lines in runs(path)],
     }
 
 

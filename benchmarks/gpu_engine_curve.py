@@ -1,7 +1,7 @@
 """Our continuous-batching engine on a GPU: decode step time vs running requests, beside the roofline; rollout phase
 sync vs ``default`` vs ``tail`` on the same engine. Measured, our PyTorch engine, not vLLM.
 
-    python -m benchmarks.gpu_engine_curve --device cuda --out "$OUT/gpu_engine_curve.jsonl"   # ~4-5 min (estimate)
+    python -m benchmarks.gpu_engine_curve --device cuda --out "$OUT/gpu_engine_curve.jsonl"   # 4-7 min (H100)
     python -m benchmarks.gpu_engine_curve --smoke --out /tmp/gpu_engine_curve.jsonl           # CPU, tiny model
 
 Why: every GPU figure elsewhere in this project is emulated or simulated (docs/method/gpu-simulator.md). This runs

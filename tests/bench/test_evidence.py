@@ -9,6 +9,7 @@ page; a line that links ``evidence.md#<id>`` must quote that figure's value. Wit
 from __future__ import annotations
 
 import fnmatch
+import json
 import re
 from pathlib import Path
 
@@ -103,3 +104,28 @@ def test_quoted_figures_are_on_the_evidence_page(page: Path, bench_module) -> No
     rows, _ = bench_module("evidence").current_figures()
     problems = unbacked(page.read_text(), {figure.id: value for figure, value, _ in rows})
     assert not problems, f"{page.relative_to(REPO)}:\n" + "\n".join(problems)
+
+
+def test_a_results_file_of_several_runs_gives_ranges_over_all_of_them(bench_module, tmp_path, monkeypatch) -> None:
+    """gpu_engine_curve.py appends run after run to one JSON-lines file: the page's figure spans every run, not just
+    the last, and its provenance names every command."""
+    evidence = bench_module("evidence")
+    monkeypatch.setattr(evidence, "RESULTS", tmp_path)
+    lines = []
+    for run_id, command, speedup in (("r1", "cmd --in-flight 256", 1.5), ("r2", "cmd --in-flight 128", 1.7)):
+        common = {"run_id": run_id, "command": command, "commit": "abc", "date": f"2026-11-2{run_id[1]}T00:00:00"}
+        lines += [
+            {"kind": "run", **common},
+            *(
+                {"kind": "rollout_mode", "mode": mode, "in_flight": 256, "vs_sync_per_trained_token": value, **common}
+                for mode, value in (("sync", 1.0), ("default", speedup))
+            ),
+        ]
+    (tmp_path / "curve.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    data = evidence._load("curve.jsonl")
+    assert [len(run) for run in data["runs"]] == [3, 3]
+    assert data["command"] == "cmd --in-flight 256; cmd --in-flight 128" and data["commit"] == "abc"
+    assert evidence.provenance(data).date == "2026-11-22"
+    speedups = evidence._gpu_rollout(data, "vs_sync_per_trained_token", "x", baseline="sync")
+    assert speedups == "at 256: default 1.50-1.70x"
+    assert evidence.last_run(tmp_path / "curve.jsonl")[0]["run_id"] == "r2"
