@@ -334,7 +334,10 @@ def build_assets(root: Path, wl: Workload) -> dict[str, Path]:
     from verl_partial.demo.assets import build_assets as build_demo
     from verl_partial.demo.assets import random_qwen2
 
-    tag = f"h{wl.hidden_size}l{wl.num_layers}i{wl.intermediate_size}r{wl.train_rows}s{wl.lengths.seed}"
+    # verl's servers (and ours) cap prompt + answer at the model's max_position_embeddings when rollout.max_model_len
+    # is null: a model with fewer positions than prompt + cap would cut every long answer short, silently.
+    positions = max(1024, wl.max_prompt_length + wl.lengths.cap)
+    tag = f"h{wl.hidden_size}l{wl.num_layers}i{wl.intermediate_size}r{wl.train_rows}s{wl.lengths.seed}p{positions}"
     out = root / tag
     paths = {"model": out / "model", "train": out / "train.parquet", "val": out / "val.parquet"}
     if (out / "done").exists():
@@ -357,6 +360,7 @@ def build_assets(root: Path, wl: Workload) -> dict[str, Path]:
     config_path = paths["model"] / "config.json"
     config_json = json.loads(config_path.read_text())
     config_json["attn_implementation"] = "eager"
+    config_json["max_position_embeddings"] = positions
     config_path.write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
     for split, size in (("train", wl.train_rows), ("val", 8)):
         rows = []
