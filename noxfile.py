@@ -109,7 +109,7 @@ def tests(session: nox.Session) -> None:
     tier, whose wheels are downloaded here and required (a missing wheel fails the tier, never skips it)."""
     # First and alone, so pip takes the CPU wheel and never pulls torch's CUDA build.
     session.install("torch==2.13.0")
-    session.install(".[test]")
+    session.install(".[test,bench]")  # bench: matplotlib, for the benchmarks' plots under test
     wheel_dir = _download_sglang_wheels(session)
     env = {"VERL_PARTIAL_SGLANG_WHEELS": str(wheel_dir), "VERL_PARTIAL_REQUIRE_SGLANG_WHEELS": "1"}
     # --durations: the slowest tests are printed, so CI's time is accounted for where it is spent.

@@ -45,7 +45,7 @@ class Figure:
     value: Callable[[Mapping[str, Any]], str]
     # A table the figure is read from (its figures are on the page once, there): the peer benchmark's modes.
     table: Callable[[Mapping[str, Any]], str] | None = None
-    image: str | None = None  # a plot under docs/ drawn from the same results (bench_peer.py --plot)
+    image: str | None = None  # a plot under docs/ drawn from the same results (the benchmark's --plot)
 
 
 @dataclass(frozen=True)
@@ -242,6 +242,7 @@ FIGURES: tuple[Figure, ...] = (
         source="gpu_engine_curve_h100.jsonl",
         label="measured",
         value=_gpu_step_curve,
+        image="img/gpu_h100.png",
     ),
     Figure(
         id="lc-tail-on-policy-reward",

@@ -3,6 +3,8 @@ sync vs ``default`` vs ``tail`` on the same engine. Measured, our PyTorch engine
 
     python -m benchmarks.gpu_engine_curve --device cuda --out "$OUT/gpu_engine_curve.jsonl"   # 4-7 min (H100)
     python -m benchmarks.gpu_engine_curve --smoke --out /tmp/gpu_engine_curve.jsonl           # CPU, tiny model
+    python -m benchmarks.gpu_engine_curve --from-results benchmarks/results/gpu_engine_curve_h100.jsonl \
+        --plot docs/img/gpu_h100.png                                                       # here: report and plot
 
 Why: every GPU figure elsewhere in this project is emulated or simulated (docs/method/gpu-simulator.md). This runs
 the very engine of ``verl_partial.cpu_backend`` (``CpuBatchedEngine(model, device="cuda")``, a bf16 model) on a
@@ -57,7 +59,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from benchmarks._machine import git_commit
 from benchmarks.bench_partial_rollout import EngineSegmentBackend, Prompt
-from benchmarks.evidence import last_run
+from benchmarks.evidence import last_run, runs
 from verl_partial.config.partial import PartialConfig
 from verl_partial.core.partial.length_batching import LengthBatcher
 from verl_partial.core.partial.on_policy import LengthEstimator, length_estimator
@@ -544,6 +546,55 @@ def table(path: Path) -> str:
     return "\n".join(out)
 
 
+def plot(results: Path, out: Path) -> None:
+    """Every run of ``results``: decode step time by running requests beside the roofline and the simulator's vLLM
+    model (left), and each mode's rollout ms per trained token by requests in flight, min-max over runs (right).
+    Drawn here from the results file (needs the ``bench`` extra: matplotlib); the GPU machine has none."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (curve, modes) = plt.subplots(1, 2, figsize=(13, 4.2))
+    found = runs(results)
+    for number, (_, lines) in enumerate(found, 1):
+        steps = [line for line in lines if line["kind"] == "decode_step"]
+        for context in sorted({line["context"] for line in steps}):
+            at = sorted(((line["running"], line) for line in steps if line["context"] == context), key=lambda a: a[0])
+            curve.plot([n for n, _ in at], [line["step_ms"] for _, line in at], marker="o",
+                       label=f"run {number}, context {context}")  # fmt: skip
+            if number == len(found):  # the data sheet's curves are the same in every run
+                for key, style in (("sim_vllm_ms", ":"), ("roofline_ms", "--")):
+                    curve.plot([n for n, _ in at], [line[key] for _, line in at], style, color="gray",
+                               label=f"{key.removesuffix('_ms').replace('_', ' ')}, context {context}")  # fmt: skip
+    curve.set(yscale="log", xlabel="running requests", ylabel="decode step ms")
+    curve.set_xscale("log", base=2)
+    curve.legend(fontsize=7)
+    rows = [line for _, lines in found for line in lines if line["kind"] == "rollout_mode"]
+    flights = sorted({row["in_flight"] for row in rows})
+    width = 0.8 / len(MODES)
+    for offset, mode in enumerate(MODES):
+        for x, in_flight in enumerate(flights):
+            values = [r["ms_per_trained_token"] for r in rows if r["mode"] == mode and r["in_flight"] == in_flight]
+            if values:
+                mean = statistics.fmean(values)
+                spread = [[mean - min(values)], [max(values) - mean]]
+                modes.bar(x + offset * width, mean, width, color=f"C{offset}", label=mode if x == 0 else None)
+                modes.errorbar(x + offset * width, mean, yerr=spread, color="black", capsize=3)
+    modes.set_xticks(
+        [x + width * (len(MODES) - 1) / 2 for x in range(len(flights))], [f"{n} in flight" for n in flights]
+    )
+    modes.set(ylabel="rollout ms / trained token")
+    modes.legend(fontsize=8)
+    head = found[-1][0]
+    fig.suptitle(f"{LABEL}: {head['device_name']}, {head['model_params'] / 1e9:.1f}B {head['dtype']}, "
+                 f"{len(found)} run(s), {head['date'][:10]}; bars: min-max over runs", fontsize=10)  # fmt: skip
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: Sequence[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default=None, help="torch device; default cuda where available, else cpu")
@@ -557,7 +608,14 @@ def main(argv: Sequence[str] | None = None) -> Path:
     parser.add_argument("--rollout-steps", type=int, help="steps per mode (default 4: one window of tail)")
     parser.add_argument("--response-length", type=int, help="answer length cap (default 512; p99 = 8 x p50)")
     parser.add_argument("--p50", type=float, help="median imposed answer length (default 64)")
+    parser.add_argument("--plot", type=Path, help="draw every run of the results file here (PNG) after the run")
+    parser.add_argument("--from-results", type=Path, help="a results file to report (and --plot); run nothing")
     args = parser.parse_args(argv)
+    if args.from_results:
+        print(table(args.from_results))
+        if args.plot:
+            plot(args.from_results, args.plot)
+        return args.from_results
     started = time.perf_counter()
     plan = SMOKE if args.smoke else Plan()
     overrides = {
@@ -614,6 +672,8 @@ def main(argv: Sequence[str] | None = None) -> Path:
     rec.write("done", total_s=round(rec.elapsed(), 2))
     rec.close()
     print("\n" + table(args.out))
+    if args.plot:
+        plot(args.out, args.plot)
     return args.out
 
 

@@ -41,7 +41,9 @@ def test_imports_neither_verl_nor_ray_nor_vllm() -> None:
 
 
 def test_smoke_run_writes_whole_lines_of_every_measurement(curve: ModuleType, tmp_path: Path) -> None:
-    out = curve.main(["--smoke", "--device", "cpu", "--out", str(tmp_path / "curve.jsonl")])
+    png = tmp_path / "curve.png"
+    out = curve.main(["--smoke", "--device", "cpu", "--out", str(tmp_path / "curve.jsonl"), "--plot", str(png)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000  # drawn, not empty
     lines = _lines(out)
     for line in lines:
         assert set(PROVENANCE) <= set(line), line["kind"]
