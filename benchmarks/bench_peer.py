@@ -919,7 +919,7 @@ def workload(args: argparse.Namespace) -> Workload:
     )
     lengths = Lengths(median=args.median, cap=args.cap, **per_epoch)
     return Workload(steps=args.steps, slots=args.slots, train_rows=args.train_rows, lengths=lengths,
-                    **MODEL_SHAPES[args.model])  # fmt: skip
+                    micro_batch=args.micro_batch, **MODEL_SHAPES[args.model])  # fmt: skip
 
 
 def round_lengths(wl: Workload, round_: int, seeds_by_round: bool) -> Lengths:
@@ -934,7 +934,7 @@ def measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     engines = _engine_settings(args)
     names = args.modes.split(",")
     wl = workload(args)
-    settings = RunSettings(threads=args.threads)
+    settings = RunSettings(threads=args.threads, timeout_s=args.run_timeout_s)
     paths = build_assets(args.work_dir / "assets", wl)
     try:
         queue = f"TransferQueue {version('TransferQueue')}"
@@ -942,8 +942,9 @@ def measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
         queue = "no TransferQueue"
     stored = json.loads(args.json.read_text()) if args.json and args.json.exists() else None
     if stored is not None and (workload_of(stored) != wl or stored.get("seeds_by_round", False) != args.seeds_by_round):
-        raise SystemExit(f"{args.json} holds another workload: resume with its own --steps, --model, --median, --cap, "
-                         "--train-rows, --epoch-corr and --seeds-by-round, or write a new file")  # fmt: skip
+        raise SystemExit(f"{args.json} holds another workload: resume with its own --steps, --model, --median, "
+                         "--cap, --micro-batch, --train-rows, --epoch-corr and --seeds-by-round, or write a new "
+                         "file")  # fmt: skip
     command = ("python -m benchmarks.bench_peer " + " ".join(argv if argv is not None else sys.argv[1:])).strip()
     results: dict[str, Any] = {
         "command": command,
@@ -999,7 +1000,16 @@ def main(argv: list[str] | None = None) -> None:
                         help="median imposed answer length (lognormal, sigma 1)")  # fmt: skip
     parser.add_argument("--cap", type=int, default=Lengths().cap,
                         help="answer length cap (data.max_response_length); a production-shaped workload: "
-                        "--model tiny_long --median 1024 --cap 4096")  # fmt: skip
+                        "--model tiny_long --median 1024 --cap 4096 --micro-batch 1 --run-timeout-s 10800")  # fmt: skip
+    parser.add_argument("--micro-batch", type=int, default=Workload().micro_batch,
+                        help="samples per forward in training and log-probs; at a 4k cap 8 took 19 GB and was killed "
+                        "for memory on 24 GB")  # fmt: skip
+    parser.add_argument(
+        "--run-timeout-s",
+        type=int,
+        default=RunSettings().timeout_s,
+        help="one trainer run's limit once it holds the lock (a 4k-cap sync step took about 6 min)",
+    )
     parser.add_argument("--slots", type=int, default=Workload().slots,
                         help="engine slots (rollout.max_num_seqs): above (1 + max_staleness) x the batch's samples, "
                         "a server that never fills")  # fmt: skip

@@ -164,7 +164,9 @@ def test_the_step_hook_refuses_a_changed_verl(trainer: ModuleType, verl_worker: 
 
 
 def test_the_peer_workload_counts_epochs_in_its_data_set(peer: ModuleType) -> None:
-    args = peer.argparse.Namespace(steps=16, slots=64, train_rows=64, epoch_corr=0.5, model="tiny", median=48, cap=512)
+    args = peer.argparse.Namespace(
+        steps=16, slots=64, train_rows=64, epoch_corr=0.5, model="tiny", median=48, cap=512, micro_batch=8
+    )
     wl = peer.workload(args)
     assert (wl.lengths.epoch_corr, wl.lengths.epoch_steps, wl.train_rows) == (0.5, 4, 64)
     assert peer.round_lengths(wl, 2, seeds_by_round=True).seed == 2
@@ -174,12 +176,15 @@ def test_the_peer_workload_counts_epochs_in_its_data_set(peer: ModuleType) -> No
 
 
 def test_a_production_shaped_workload_reaches_the_trainer(peer: ModuleType, trainer: ModuleType, tmp_path) -> None:
-    """--model tiny_long --median --cap: the imposed lengths, the model's shape and verl's response length follow."""
+    """--model tiny_long --median --cap --micro-batch: the imposed lengths, the model's shape, verl's response
+    length and micro-batches follow."""
     args = {"steps": 12, "slots": 64, "train_rows": 512, "epoch_corr": 1.0}
-    wl = peer.workload(peer.argparse.Namespace(**args, model="tiny_long", median=1024.0, cap=4096))
+    wl = peer.workload(peer.argparse.Namespace(**args, model="tiny_long", median=1024.0, cap=4096, micro_batch=1))
     assert (wl.lengths.median, wl.lengths.cap, wl.hidden_size, wl.num_layers) == (1024, 4096, 32, 1)
+    assert wl.micro_batch == 1
     paths = {"train": tmp_path / "t", "val": tmp_path / "v", "model": tmp_path / "m"}
-    assert "data.max_response_length=4096" in trainer.trainer_overrides(paths, wl, tmp_path, "sync")
+    overrides = trainer.trainer_overrides(paths, wl, tmp_path, "sync")
+    assert {"data.max_response_length=4096", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"} <= set(overrides)
     lengths = [wl.lengths.target([p], i) for p in range(64) for i in range(4)]
     assert max(lengths) == 4096 and 700 < sorted(lengths)[len(lengths) // 2] < 1400  # capped, median about 1024
 
