@@ -336,8 +336,8 @@ def build_assets(root: Path, wl: Workload) -> dict[str, Path]:
 
     # verl's servers (and ours) cap prompt + answer at the model's max_position_embeddings when rollout.max_model_len
     # is null: a model with fewer positions than prompt + cap would cut every long answer short, silently.
-    positions = max(1024, wl.max_prompt_length + wl.lengths.cap)
-    tag = f"h{wl.hidden_size}l{wl.num_layers}i{wl.intermediate_size}r{wl.train_rows}s{wl.lengths.seed}p{positions}"
+    longest = wl.max_prompt_length + wl.lengths.cap
+    tag = f"h{wl.hidden_size}l{wl.num_layers}i{wl.intermediate_size}r{wl.train_rows}s{wl.lengths.seed}p{longest}"
     out = root / tag
     paths = {"model": out / "model", "train": out / "train.parquet", "val": out / "val.parquet"}
     if (out / "done").exists():
@@ -360,7 +360,7 @@ def build_assets(root: Path, wl: Workload) -> dict[str, Path]:
     config_path = paths["model"] / "config.json"
     config_json = json.loads(config_path.read_text())
     config_json["attn_implementation"] = "eager"
-    config_json["max_position_embeddings"] = positions
+    config_json["max_position_embeddings"] = max(config_json["max_position_embeddings"], longest)
     config_path.write_text(json.dumps(config_json, indent=2, sort_keys=True) + "\n")
     for split, size in (("train", wl.train_rows), ("val", 8)):
         rows = []

@@ -402,7 +402,8 @@ def _load(name: str) -> Mapping[str, Any]:
     path = RESULTS / name
     if path.suffix != ".jsonl":
         return json.loads(path.read_text())
-    heads = [head for head, _ in runs(path)]
+    found = runs(path)
+    heads = [head for head, _ in found]
 
     def distinct(key: str) -> str | None:
         values = list(dict.fromkeys(str(head[key]) for head in heads if head.get(key)))
@@ -412,7 +413,7 @@ def _load(name: str) -> Mapping[str, Any]:
         "command": distinct("command"),
         "machine": {"date": heads[-1].get("date") if heads else None},
         "commit": distinct("commit"),
-        "runs": [lines for _, lines in runs(path)],
+        "runs": [lines for _, lines in found],
     }
 
 
