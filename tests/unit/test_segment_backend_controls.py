@@ -10,7 +10,10 @@ import threading
 
 import pytest
 
+from verl_partial.config.partial import PartialConfig
 from verl_partial.core.engines.adapter import engine_adapter
+from verl_partial.core.partial.finish import Finish
+from verl_partial.core.partial.pool import RolloutPool, SegmentRequest, SegmentResult
 from verl_partial.glue.partial.segment_backend import WorkerSegmentBackend
 
 
@@ -111,3 +114,40 @@ def test_a_failed_resume_is_refused_at_the_next_step_start_not_routed_to():
         asyncio.run(next_step_start())
     with pytest.raises(RuntimeError, match=r"resume_generation failed on \['s0'\]"):
         glue.wait_reopened(1.0)
+
+
+def launch_one(glue: WorkerSegmentBackend) -> tuple[RolloutPool, SegmentRequest]:
+    pool = RolloutPool(PartialConfig(), group_size=1, batch_groups=1, response_length=4)
+    pool.admit({"raw_prompt": "p"}, "g0")
+    pool.begin_step(1, 0)
+    glue.begin_step(pool)
+    return pool, pool.start(pool.runnable()[0], "s0")
+
+
+def test_a_step_ending_inside_the_launch_window_leaves_nothing_pending_for_the_next():
+    """A step can end within the 50 ms launch window (a DAPO step whose last scored group passes just after a refill
+    launched): the step end's take-back drops the unsent call, the step's loop closes before the flush, and the next
+    step must start. It raised "never sent nor cancelled" from the worker's emptied list (CI's DAPO run, 2026-11-27)."""
+    glue = WorkerSegmentBackend([object()], {"s0": ControlServer()}, [Replica(ControlServer())], engine_adapter("vllm"))
+    pool, request = launch_one(glue)
+
+    async def step() -> SegmentResult:
+        [future] = glue.launch([(pool.groups[request.ref.group_id], request)])
+        await glue.take_back([request])  # before the flush: never sent
+        return future.result()
+
+    dropped = asyncio.run(step())
+    assert dropped.finish is Finish.ABORTED and len(dropped.new_ids) == 0
+    glue.begin_step(pool)  # the next step starts
+
+
+def test_a_call_neither_sent_nor_taken_back_is_refused_at_the_next_step():
+    glue = WorkerSegmentBackend([object()], {"s0": ControlServer()}, [Replica(ControlServer())], engine_adapter("vllm"))
+    pool, request = launch_one(glue)
+
+    async def step() -> None:
+        glue.launch([(pool.groups[request.ref.group_id], request)])
+
+    asyncio.run(step())  # the loop ends before the flush, and nothing took the call back
+    with pytest.raises(RuntimeError, match="never sent nor cancelled"):
+        glue.begin_step(pool)

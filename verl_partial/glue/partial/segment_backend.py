@@ -190,11 +190,14 @@ class WorkerSegmentBackend:
         return by_worker
 
     def _drop_pending(self, request_id: str) -> bool:
-        """A call still waiting for its launch window is never sent: it ends ABORTED with no tokens."""
-        for items in self.pending.values():
+        """A call still waiting for its launch window is never sent: it ends ABORTED with no tokens. A worker left
+        with no call is removed, so a step that ends before the window's flush leaves nothing pending behind it."""
+        for worker, items in self.pending.items():
             for position, (call, future) in enumerate(items):
                 if call.request_id == request_id:
                     del items[position]
+                    if not items:
+                        del self.pending[worker]
                     self.futures.pop(request_id, None)
                     future.set_result(
                         SegmentResult(
