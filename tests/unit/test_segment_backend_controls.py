@@ -127,7 +127,7 @@ def launch_one(glue: WorkerSegmentBackend) -> tuple[RolloutPool, SegmentRequest]
 def test_a_step_ending_inside_the_launch_window_leaves_nothing_pending_for_the_next():
     """A step can end within the 50 ms launch window (a DAPO step whose last scored group passes just after a refill
     launched): the step end's take-back drops the unsent call, the step's loop closes before the flush, and the next
-    step must start. It raised "never sent nor cancelled" from the worker's emptied list (CI's DAPO run, 2026-11-27)."""
+    step must start. It raised "never sent nor cancelled" from the worker's emptied list (a DAPO e2e run)."""
     glue = WorkerSegmentBackend([object()], {"s0": ControlServer()}, [Replica(ControlServer())], engine_adapter("vllm"))
     pool, request = launch_one(glue)
 
