@@ -151,3 +151,60 @@ def test_a_call_neither_sent_nor_taken_back_is_refused_at_the_next_step():
     asyncio.run(step())  # the loop ends before the flush, and nothing took the call back
     with pytest.raises(RuntimeError, match="never sent nor cancelled"):
         glue.begin_step(pool)
+
+
+class StreamingWorker:
+    """An AgentLoopWorker handle recording each wave of calls it was sent (``run_segments``); the stream it returns
+    ends at once, so the calls stay open, as calls still generating do."""
+
+    def __init__(self) -> None:
+        self.waves: list[list] = []
+        waves = self.waves
+
+        class Stream:
+            def __aiter__(self):
+                return self
+
+            async def __anext__(self):
+                raise StopAsyncIteration
+
+        class RunSegments:
+            @staticmethod
+            def options(**_: object):
+                return RunSegments
+
+            @staticmethod
+            def remote(calls, _forget) -> Stream:
+                waves.append(list(calls))
+                return Stream()
+
+        self.run_segments = RunSegments
+
+
+def test_a_new_groups_prompt_dropped_inside_the_launch_window_goes_with_its_next_call():
+    """A new group's first call carries its raw prompt (its ids are tokenised on the worker); a step that ends inside
+    the launch window drops that call unsent. The glue counted the prompt as sent at launch, so the group's next call
+    went without it: the worker failed each ("neither prompt ids nor its prompt reached this worker") until the
+    group was taken out, a prompt lost from training."""
+    worker = StreamingWorker()
+    glue = WorkerSegmentBackend([worker], {"s0": ControlServer()}, [Replica(ControlServer())], engine_adapter("vllm"))
+    pool, request = launch_one(glue)
+
+    async def first_step() -> None:
+        [future] = glue.launch([(pool.groups[request.ref.group_id], request)])
+        await glue.take_back([request])  # the step ends before the flush: never sent
+        pool.finish_segment(request.ref, future.result())
+
+    asyncio.run(first_step())
+    assert worker.waves == []
+    pool.begin_step(2, 0)
+    glue.begin_step(pool)
+    again = pool.start(pool.runnable()[0], "s0")
+
+    async def next_step() -> None:
+        glue.launch([(pool.groups[again.ref.group_id], again)])
+        await asyncio.sleep(0.2)  # the launch window flushes
+
+    asyncio.run(next_step())
+    [[call]] = worker.waves
+    assert call.prompt_ids is None and call.raw_prompt == "p"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -71,7 +72,7 @@ class WorkerSegmentBackend:
         self.pending: dict[int, list[tuple[SegmentCall, asyncio.Future[SegmentResult]]]] = {}
         self.flush_handle: asyncio.TimerHandle | None = None
         self.streams: set[asyncio.Task[None]] = set()
-        # Groups whose raw prompt went to a worker and whose ids the pool does not hold yet, per worker.
+        # Groups whose raw prompt was sent to a worker and whose ids the pool does not hold yet, per worker.
         self.prompt_sent: dict[int, set[str]] = {index: set() for index in range(len(workers))}
 
     @property
@@ -96,18 +97,15 @@ class WorkerSegmentBackend:
         for group, request in wave:
             worker = worker_of(group.group_id, len(self.workers))
             sample = group.samples[request.ref.index]
-            prompt_ids, raw_prompt = group.prompt_ids, None
-            if prompt_ids is None and group.key not in self.prompt_sent[worker]:
-                raw_prompt = group.prompt["raw_prompt"]
-                self.prompt_sent[worker].add(group.key)
             call = SegmentCall(
                 request_id=request.request_id,
                 server=request.server,
                 group_key=group.key,
                 prefix=sample.token_ids[: request.prefix_len],
                 max_new_tokens=request.max_new_tokens,
-                prompt_ids=prompt_ids,
-                raw_prompt=raw_prompt,
+                prompt_ids=group.prompt_ids,
+                # Kept on the first call that goes out (_flush): a call dropped inside the window never delivers it.
+                raw_prompt=group.prompt["raw_prompt"] if group.prompt_ids is None else None,
                 row={key: group.prompt[key] for key in ROW_KEYS if key in group.prompt} if self.tool_loop else None,
                 payload=sample.payload,
             )
@@ -125,15 +123,30 @@ class WorkerSegmentBackend:
         groups = self.pool.groups.values() if self.pool is not None else ()
         unknown = {group.key for group in groups if group.prompt_ids is None}
         for worker, items in pending.items():
-            calls = [call for call, _ in items]
             known = self.prompt_sent[worker] - unknown
             self.prompt_sent[worker] -= known
+            calls = self._prompt_once(worker, [call for call, _ in items])
             stream = self.workers[worker].run_segments.options(num_returns="streaming").remote(calls, sorted(known))
             for call in calls:
                 self.calls[call.request_id] = (worker, call.server)
             task = asyncio.ensure_future(self._receive(stream, calls))
             self.streams.add(task)
             task.add_done_callback(self.streams.discard)
+
+    def _prompt_once(self, worker: int, calls: list[SegmentCall]) -> list[SegmentCall]:
+        """The calls as they go out: a group's raw prompt rides only on its first call a worker receives (the
+        worker tokenises it once and keeps the ids until the driver holds them), decided when the calls are sent,
+        so a call dropped in its launch window never counts as having delivered it."""
+        sent = self.prompt_sent[worker]
+        out = []
+        for call in calls:
+            if call.raw_prompt is not None:
+                if call.group_key in sent:
+                    call = dataclasses.replace(call, raw_prompt=None)
+                else:
+                    sent.add(call.group_key)
+            out.append(call)
+        return out
 
     async def _receive(self, stream: Any, calls: list[SegmentCall]) -> None:
         try:
