@@ -312,7 +312,9 @@ def run_mode(
           f"{probe.get('seconds', 'failed')} s, other processes {record['machine']['other_cores_mean']} cores, "
           f"worker (OMP, torch) threads {threads}{', REJECTED: ' + record['rejected'] if record['rejected'] else ''}",
           flush=True)  # fmt: skip
-    return {"engine": engine, "mode": mode.name, "probe": probe, "lengths_seed": lengths.seed, **record}
+    # Per run: rounds are resumed and merged across sessions, so the file's own checkout names only the last one.
+    return {"engine": engine, "mode": mode.name, "checkout": checkout(), "probe": probe, "lengths_seed": lengths.seed,
+            **record}  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------- figures
@@ -791,6 +793,12 @@ def workload_of(results: dict[str, Any]) -> Workload:
     return Workload(**{k: v for k, v in stored.items() if k != "lengths"}, lengths=Lengths(**stored["lengths"]))
 
 
+def checkouts(results: dict[str, Any]) -> str:
+    """The checkouts the runs were measured on, in order (runs before per-run records: the file's last one)."""
+    found = list(dict.fromkeys(run["checkout"] for run in results["runs"] if run.get("checkout")))
+    return ", ".join(found) if found else results.get("checkout", "?")
+
+
 def header(results: dict[str, Any], command: bool = True) -> str:
     """The run's set-up in words; ``command=False`` where the command and commit are printed beside it already (it
     then leaves out the software versions, which the results file keeps)."""
@@ -801,7 +809,7 @@ def header(results: dict[str, Any], command: bool = True) -> str:
     rejected = sum(1 for run in [*results["runs"], *results.get("set_aside", [])] if run.get("rejected"))
     software = (
         f", Python {m['python']}, {m['packages']}, {results.get('transfer_queue', '')}; verl-partial "
-        f"{results.get('checkout', '?')}. Command: `{results['command']}`"
+        f"{checkouts(results)}. Command: `{results['command']}`"
     )
     return (
         f"Run {m['date']} on {m['cpu']}, {m['cores']} cores{software if command else ''}. Engines: {engines}. "

@@ -215,3 +215,12 @@ def test_fixed_costs_are_shares_of_the_phase_they_sit_in(peer: ModuleType) -> No
     assert "0.200 s (2.0 % of the step)" in rows["ours `+partial=default`"]  # weight sync, outside it
     assert rows["v1 sync"].endswith("| 20.0 % of the phase |")  # (10 - 8) / 10, paired in round 0
     assert rows["v1 colocate_async, threshold 2 + wait"].endswith("| - |")
+
+
+def test_runs_merged_from_several_checkouts_name_each_in_the_header() -> None:
+    """Rounds are resumed across sessions: the file's own checkout is the last session's, so each run names its own."""
+    from benchmarks.bench_peer import checkouts
+
+    runs = [{"checkout": "aaa"}, {"checkout": "bbb"}, {"checkout": "aaa"}]
+    assert checkouts({"checkout": "bbb", "runs": runs}) == "aaa, bbb"
+    assert checkouts({"checkout": "ccc", "runs": [{}]}) == "ccc"
