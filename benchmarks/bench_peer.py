@@ -45,7 +45,7 @@ import math
 import statistics
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -793,10 +793,12 @@ def workload_of(results: dict[str, Any]) -> Workload:
     return Workload(**{k: v for k, v in stored.items() if k != "lengths"}, lengths=Lengths(**stored["lengths"]))
 
 
-def checkouts(results: dict[str, Any]) -> str:
-    """The checkouts the runs were measured on, in order (runs before per-run records: the file's last one)."""
-    found = list(dict.fromkeys(run["checkout"] for run in results["runs"] if run.get("checkout")))
-    return ", ".join(found) if found else results.get("checkout", "?")
+def checkouts(results: Mapping[str, Any]) -> str | None:
+    """The checkouts the runs were measured on, in order; for runs stored before per-run records, the file's own
+    (the last session's). None where neither is recorded."""
+    runs = [run for run in results.get("runs", []) if isinstance(run, Mapping)]
+    found = list(dict.fromkeys(str(run["checkout"]) for run in runs if run.get("checkout")))
+    return ", ".join(found) if found else results.get("checkout")
 
 
 def header(results: dict[str, Any], command: bool = True) -> str:
@@ -809,7 +811,7 @@ def header(results: dict[str, Any], command: bool = True) -> str:
     rejected = sum(1 for run in [*results["runs"], *results.get("set_aside", [])] if run.get("rejected"))
     software = (
         f", Python {m['python']}, {m['packages']}, {results.get('transfer_queue', '')}; verl-partial "
-        f"{checkouts(results)}. Command: `{results['command']}`"
+        f"{checkouts(results) or '?'}. Command: `{results['command']}`"
     )
     return (
         f"Run {m['date']} on {m['cpu']}, {m['cores']} cores{software if command else ''}. Engines: {engines}. "

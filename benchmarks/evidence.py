@@ -60,7 +60,8 @@ def provenance(data: Mapping[str, Any]) -> Provenance | None:
     """Date, command and commit as the results file records them, or None when it records no date or command.
 
     Two layouts exist: the trainer benchmarks write ``command``, ``machine.date`` and (bench_peer) ``checkout``;
-    benchmarks/learning_curves.py writes ``config.command`` and ``config.date``.
+    benchmarks/learning_curves.py writes ``config.command`` and ``config.date``. bench_peer's runs, merged across
+    sessions, each record their checkout: all of them are named.
     """
     config = data.get("config") if isinstance(data.get("config"), Mapping) else {}
     machine = data.get("machine") if isinstance(data.get("machine"), Mapping) else {}
@@ -68,7 +69,9 @@ def provenance(data: Mapping[str, Any]) -> Provenance | None:
     date = machine.get("date") or config.get("date")
     if not command or not date:
         return None
-    commit = data.get("checkout") or data.get("commit") or config.get("commit")
+    from benchmarks.bench_peer import checkouts
+
+    commit = checkouts(data) or data.get("commit") or config.get("commit")
     return Provenance(date=str(date)[:10], command=str(command), commit=str(commit) if commit else None)
 
 

@@ -220,7 +220,11 @@ def test_fixed_costs_are_shares_of_the_phase_they_sit_in(peer: ModuleType) -> No
 def test_runs_merged_from_several_checkouts_name_each_in_the_header() -> None:
     """Rounds are resumed across sessions: the file's own checkout is the last session's, so each run names its own."""
     from benchmarks.bench_peer import checkouts
+    from benchmarks.evidence import provenance
 
     runs = [{"checkout": "aaa"}, {"checkout": "bbb"}, {"checkout": "aaa"}]
-    assert checkouts({"checkout": "bbb", "runs": runs}) == "aaa, bbb"
-    assert checkouts({"checkout": "ccc", "runs": [{}]}) == "ccc"
+    merged = {"checkout": "bbb", "runs": runs, "command": "python -m benchmarks.bench_peer", "machine": {"date": "d"}}
+    assert checkouts(merged) == "aaa, bbb"
+    assert provenance(merged).commit == "aaa, bbb"  # the evidence page's commit line names both sessions
+    assert checkouts({"checkout": "ccc", "runs": [{}]}) == "ccc"  # runs stored before per-run records
+    assert checkouts({"runs": [[{"run_id": 1}]]}) is None  # a JSON-lines file's runs are lists of lines
