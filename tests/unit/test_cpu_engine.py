@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
+import itertools
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -21,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from verl_partial.cpu_backend.engine import CpuBatchedEngine, GenerationResult, SamplingParams, sample
+from verl_partial.cpu_backend.engine import CpuBatchedEngine, GenerationResult, SamplingParams, _StepPlan, sample
 from verl_partial.cpu_backend.kv_model import UnsupportedModelError
 from verl_partial.sim.clock import run_virtual
 
@@ -652,3 +654,232 @@ def test_every_tensor_of_a_step_is_made_on_the_models_device(model: Qwen2ForCaus
         results = _virtual(main)
     assert [len(r.token_ids) for r in results] == [6, 6, 6]
     _assert_matches_recompute(model, prompts[1], results[1])
+
+
+# ------------------------------------------------------------------ KV-cache capacity (vLLM's recompute preemption)
+
+
+def _record_plans(engine: CpuBatchedEngine) -> list[tuple[int, _StepPlan]]:
+    """Wrap the engine's step to record every plan it runs, with the preemptions counted once it was planned."""
+    plans: list[tuple[int, _StepPlan]] = []
+    execute = engine._execute
+
+    def recording(plan: _StepPlan) -> tuple[list[int], list[float]]:
+        plans.append((engine.stats.preemptions, plan))
+        return execute(plan)
+
+    engine._execute = recording  # type: ignore[method-assign]
+    return plans
+
+
+def _kv_held(plan: _StepPlan) -> int:
+    """Positions the step leaves in the KV cache: each decode row's history plus the token it feeds, and every
+    prefilled sequence."""
+    return plan.decode_context + sum(len(p) for p in plan.prefill_prompts)
+
+
+def _record_prefill_sequences(engine: CpuBatchedEngine) -> list[list[int]]:
+    """Wrap the engine's prefill forward to record every sequence it prefills."""
+    sequences: list[list[int]] = []
+    prefill = engine._kv.prefill
+
+    def recording(prompts: list[list[int]], first_slot: int) -> torch.Tensor:
+        sequences.extend(list(p) for p in prompts)
+        return prefill(prompts, first_slot)
+
+    engine._kv.prefill = recording  # type: ignore[method-assign]
+    return sequences
+
+
+def test_preemption_recomputes_greedy_output_exactly(model: Qwen2ForCausalLM) -> None:
+    """Four greedy requests outgrow a cache of 90 tokens: the newest are preempted and re-prefilled (prompt and
+    every token they had) and still produce the tokens, and the log-probs, of an engine with no limit. A capacity
+    that never binds changes nothing at all."""
+    prompts = _prompts(5, 9, 7, 12)
+    capacity = 90
+
+    async def main(kv_capacity_tokens: int | None) -> tuple[list[GenerationResult], CpuBatchedEngine, list[list[int]]]:
+        engine = CpuBatchedEngine(model, eos_token_ids=set(), seed=0, kv_capacity_tokens=kv_capacity_tokens)
+        prefills = _record_prefill_sequences(engine)
+        params = SamplingParams(max_tokens=30, temperature=0.0)
+        results = await asyncio.gather(*(engine.generate(f"r{i}", p, params) for i, p in enumerate(prompts)))
+        await engine.close()
+        return results, engine, prefills
+
+    unlimited, free_engine, _ = _run(lambda: main(None))
+    limited, engine, prefills = _run(lambda: main(capacity))
+    assert free_engine.stats.preemptions == 0 and engine.stats.preemptions > 0
+    assert free_engine.stats.prefill_tokens == sum(map(len, prompts))
+    assert engine.stats.prefill_tokens > free_engine.stats.prefill_tokens  # the re-prefills
+    # A readmitted request's prefill is its prompt followed by every token it had generated.
+    resumed = [s for s in prefills if not any(s == p for p in prompts)]
+    assert resumed
+    for sequence in resumed:
+        assert any(sequence == p + r.token_ids[: len(sequence) - len(p)] for p, r in zip(prompts, limited, strict=True))
+    for free, bound in zip(unlimited, limited, strict=True):
+        assert (bound.token_ids, bound.stop_reason) == (free.token_ids, free.stop_reason) and len(free.token_ids) == 30
+        torch.testing.assert_close(torch.tensor(bound.log_probs), torch.tensor(free.log_probs), atol=1e-5, rtol=0)
+    roomy, roomy_engine, _ = _run(lambda: main(10**9))
+    untimed = {"step_s": 0.0, "idle_s": 0.0}  # real seconds differ between any two runs
+    assert roomy == unlimited
+    assert dataclasses.replace(roomy_engine.stats, **untimed) == dataclasses.replace(free_engine.stats, **untimed)
+
+
+def test_admission_waits_for_kv_room(model: Qwen2ForCausalLM) -> None:
+    """A cache of 32 tokens holds the first request (prompt 10, up to 30 tokens of context) but not a 25-token prompt
+    beside it: the second waits, with no token, until the first ends, then runs. Waiting is not a preemption."""
+    first, second = _prompts(10, 25)
+
+    async def main() -> tuple[GenerationResult, GenerationResult, CpuBatchedEngine]:
+        engine = CpuBatchedEngine(model, eos_token_ids=set(), kv_capacity_tokens=32, virtual_step_s=STEP_S)
+        a = asyncio.create_task(engine.generate("a", first, SamplingParams(max_tokens=20)))
+        await engine.wait_until(lambda: engine.tokens_so_far("a") >= 2)
+        b = asyncio.create_task(engine.generate("b", second, SamplingParams(max_tokens=5)))
+        await engine.wait_until(lambda: engine.tokens_so_far("a") >= 15)
+        assert (engine.num_running, engine.num_waiting, engine.tokens_so_far("b")) == (1, 1, 0)
+        result_a = await a
+        assert not b.done()
+        result_b = await b
+        await engine.close()
+        return result_a, result_b, engine
+
+    result_a, result_b, engine = _virtual(main)
+    assert len(result_a.token_ids) == 20 and len(result_b.token_ids) == 5
+    assert engine.stats.preemptions == 0
+    _assert_matches_recompute(model, second, result_b)
+
+
+def test_the_newest_admitted_is_preempted_whatever_its_slot(model: Qwen2ForCausalLM) -> None:
+    """r0..r3 join together; r1 ends early and r3 moves into r1's slot, so the slots read r0, r3, r2. When the cache
+    of 50 tokens runs out, r3 (the newest admitted) is preempted, not r2 (the last slot): r3 stops while r2 goes on.
+    Everyone still completes."""
+    prompts = _prompts(5, 6, 7, 8)
+    max_tokens = [30, 2, 30, 30]
+
+    async def main() -> list[GenerationResult]:
+        engine = CpuBatchedEngine(model, eos_token_ids=set(), kv_capacity_tokens=50, virtual_step_s=STEP_S)
+        tasks = [
+            asyncio.create_task(engine.generate(f"r{i}", p, SamplingParams(n)))
+            for i, (p, n) in enumerate(zip(prompts, max_tokens, strict=True))
+        ]
+        await engine.wait_until(lambda: engine.stats.preemptions == 1)
+        held, running = engine.tokens_so_far("r3"), engine.tokens_so_far("r2")
+        await engine.wait_until(lambda: engine.tokens_so_far("r2") >= running + 3)
+        assert engine.tokens_so_far("r3") == held and engine.stats.preemptions == 1
+        results = await asyncio.gather(*tasks)
+        await engine.close()
+        return results
+
+    assert [len(r.token_ids) for r in _virtual(main)] == max_tokens
+
+
+@pytest.mark.parametrize("semantics", ["vllm", "sglang"])
+def test_aborting_a_preempted_request_returns_its_tokens(model: Qwen2ForCausalLM, semantics: str) -> None:
+    """Two requests outgrow a cache of 40 tokens: the newest is preempted to the front of the queue, keeping its
+    tokens (``tokens_so_far`` still counts them), so a request queued before it stays behind it though it would fit.
+    Aborted there, the preempted one answers its tokens as "aborted" on both semantics (it is queued, not running);
+    the others run to their end."""
+    first, second, third = _prompts(10, 10, 12)
+
+    async def main() -> tuple[GenerationResult, GenerationResult, int]:
+        engine = CpuBatchedEngine(
+            model,
+            eos_token_ids=set(),
+            kv_capacity_tokens=40,
+            semantics=semantics,  # type: ignore[arg-type]
+            virtual_step_s=STEP_S,
+        )
+        a = asyncio.create_task(engine.generate("a", first, SamplingParams(max_tokens=25, ignore_eos=True)))
+        b = asyncio.create_task(engine.generate("b", second, SamplingParams(max_tokens=25, ignore_eos=True)))
+        await engine.wait_until(lambda: engine.tokens_so_far("a") >= 4)
+        c = asyncio.create_task(engine.generate("c", third, SamplingParams(max_tokens=5)))  # no room beside a and b
+        await engine.wait_until(lambda: engine.stats.preemptions >= 1)
+        assert (engine.num_running, engine.num_waiting) == (1, 2) and not b.done()
+        held, running = engine.tokens_so_far("b"), engine.tokens_so_far("a")
+        await engine.wait_until(lambda: engine.tokens_so_far("a") >= running + 3)
+        assert engine.tokens_so_far("b") == held  # b, the newer, is the one waiting
+        assert engine.tokens_so_far("c") == 0  # c would fit beside a now, but b is ahead of it
+        assert await engine.abort("b")
+        aborted = await b
+        result_a = await a
+        assert len((await c).token_ids) == 5
+        await engine.close()
+        return aborted, result_a, held
+
+    aborted, result_a, held = _virtual(main)
+    assert aborted.stop_reason == "aborted" and len(aborted.token_ids) == held > 0
+    _assert_matches_recompute(model, second, aborted)
+    assert len(result_a.token_ids) == 25 and result_a.stop_reason == "length"
+
+
+@pytest.mark.parametrize("semantics", ["vllm", "sglang"])
+def test_kv_capacity_is_never_exceeded(model: Qwen2ForCausalLM, semantics: str) -> None:
+    """Eight sampled requests of mixed lengths arriving over time against a cache of 120 tokens: no step holds more
+    than the capacity, the limit binds (preemptions, steps near it), a step that preempts admits no one (vLLM's
+    scheduler), and every answer is complete and matches a plain recompute, re-prefilled or not."""
+    lengths = [6, 30, 3, 14, 9, 22, 4, 11]
+    prompts = _prompts(*lengths)
+    max_tokens = [20, 25, 40, 12, 30, 15, 35, 18]
+    capacity = 120
+
+    async def main() -> tuple[list[GenerationResult], list[tuple[int, _StepPlan]], CpuBatchedEngine]:
+        engine = CpuBatchedEngine(
+            model,
+            eos_token_ids=set(),
+            max_num_seqs=4,
+            seed=0,
+            semantics=semantics,  # type: ignore[arg-type]
+            kv_capacity_tokens=capacity,
+            virtual_step_s=STEP_S,
+        )
+        plans = _record_plans(engine)
+
+        async def one(index: int) -> GenerationResult:
+            await asyncio.sleep(0.004 * index)
+            params = SamplingParams(max_tokens=max_tokens[index], ignore_eos=True)
+            return await engine.generate(f"r{index}", prompts[index], params)
+
+        results = await asyncio.gather(*(one(i) for i in range(len(prompts))))
+        await engine.close()
+        return results, plans, engine
+
+    results, plans, engine = _virtual(main)
+    held = [_kv_held(plan) for _, plan in plans]
+    assert max(held) <= capacity
+    assert max(held) >= capacity - 8 and engine.stats.preemptions > 0
+    preempting = [plan for (before, _), (after, plan) in itertools.pairwise(plans) if after > before]
+    assert preempting and all(plan.decode_tokens and not plan.prefill_prompts for plan in preempting)
+    for prompt, limit, result in zip(prompts, max_tokens, results, strict=True):
+        assert len(result.token_ids) == limit and result.stop_reason == "length"
+        _assert_matches_recompute(model, prompt, result)
+
+
+def test_a_request_larger_than_the_cache_fails_and_others_are_served(model: Qwen2ForCausalLM) -> None:
+    """A cache of 20 tokens: a 25-token prompt can never fit and fails naming the capacity; one that outgrows the
+    cache while decoding is preempted, then fails the same way when it cannot be readmitted alone. The engine
+    serves the requests beside and after them."""
+    big, small, grower = _prompts(25, 5, 10)
+
+    async def main() -> tuple[GenerationResult, GenerationResult]:
+        engine = CpuBatchedEngine(model, eos_token_ids=set(), kv_capacity_tokens=20, virtual_step_s=STEP_S)
+        params = SamplingParams(max_tokens=5, temperature=0.0)
+        failed, served = await asyncio.gather(
+            engine.generate("big", big, params), engine.generate("small", small, params), return_exceptions=True
+        )
+        assert isinstance(failed, ValueError) and "kv_capacity_tokens=20" in str(failed)
+        with pytest.raises(ValueError, match=r"needs 21 tokens of KV cache, more than .*kv_capacity_tokens=20"):
+            await engine.generate("grower", grower, SamplingParams(max_tokens=30, ignore_eos=True))
+        assert engine.stats.preemptions == 1 and engine.is_idle
+        after = await engine.generate("after", small, params)
+        await engine.close()
+        return served, after
+
+    served, after = _virtual(main)
+    assert served.token_ids == after.token_ids and len(served.token_ids) == 5
+    _assert_matches_recompute(model, small, served)
+
+
+@pytest.mark.parametrize("capacity", [0, -3])
+def test_kv_capacity_must_be_positive(model: Qwen2ForCausalLM, capacity: int) -> None:
+    with pytest.raises(ValueError, match=f"^kv_capacity_tokens must be >= 1 or None, got {capacity}$"):
+        CpuBatchedEngine(model, eos_token_ids=set(), kv_capacity_tokens=capacity)

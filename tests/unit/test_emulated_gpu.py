@@ -207,7 +207,8 @@ def test_the_env_var_is_checked_as_strictly_as_the_typed_key(model):
 
 
 def test_a_server_started_with_the_drivers_env_runs_the_modelled_engine(demo_assets, monkeypatch, tmp_path):
-    """What a Ray-launched server does: read ``VERL_PARTIAL_EMULATE_GPU``; its ``engine_stats`` carry the setting."""
+    """What a Ray-launched server does: read ``VERL_PARTIAL_EMULATE_GPU``; its engine takes that GPU's step time and
+    KV-cache capacity, and its ``engine_stats`` carry the setting and the capacity."""
     monkeypatch.setenv(EMULATE_GPU_ENV, "H100-SXM/Qwen2.5-7B")
     monkeypatch.setenv(ENGINE_STATS_DIR_ENV, str(tmp_path))
     config = RolloutConfig(name="cpu", prompt_length=32, response_length=8, max_num_seqs=4)
@@ -224,6 +225,8 @@ def test_a_server_started_with_the_drivers_env_runs_the_modelled_engine(demo_ass
     asyncio.run(run())
     stats = server.engine_stats()
     assert (stats["emulate_gpu"], stats["max_num_seqs"], stats["steps"]) == ("H100-SXM/Qwen2.5-7B", 4, 4)
+    assert stats["kv_capacity_tokens"] == server.engine.kv_capacity_tokens == spec.kv_capacity_tokens == 798_339
+    assert stats["preemptions"] == 0
     # The prefill of 3 tokens, then 3 decodes at contexts 4, 5, 6: the simulator's step times for these shapes.
     expected = spec.step_seconds(0, 0.0, 3, 4.5) + sum(spec.step_seconds(1, float(c)) for c in (4, 5, 6))
     assert stats["modelled_s"] == pytest.approx(expected)

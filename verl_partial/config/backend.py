@@ -36,11 +36,15 @@ EMULATE_GPU_CHOICES: tuple[str, ...] = typing.get_args(EmulateGpu)
 
 @dataclass(frozen=True)
 class EmulatedGpu:
-    """A GPU-shaped engine: our CPU engine's steps last as long as ``model`` would take on one ``gpu``.
+    """A GPU-shaped engine: our CPU engine's steps last as long as ``model`` would take on one ``gpu``, and it holds
+    only the KV cache that ``gpu`` holds for ``model``.
 
     The forward still runs (on the CPU, in the engine's worker thread); the engine then sleeps the rest of the
     time the simulator's roofline (:meth:`verl_partial.sim.engine.ServerSpec.step_seconds`) gives for that step's
-    batch, with the cores idle, as a GPU host's are.
+    batch, with the cores idle, as a GPU host's are. Requests wait for KV-cache room and the newest running one is
+    preempted when decoding outgrows it (:attr:`verl_partial.sim.engine.ServerSpec.kv_capacity_tokens`, vLLM's
+    recompute preemption, as in the simulator): without the limit, a partial mode holding more context than the GPU
+    could would look better than it would be.
     """
 
     gpu: str
@@ -60,7 +64,8 @@ class EmulatedGpu:
         return f"{self.gpu}/{self.model}"
 
     def server_spec(self, max_num_seqs: int) -> ServerSpec:
-        """The simulator's server for this GPU and model; its ``step_seconds`` is the engine's step time."""
+        """The simulator's server for this GPU and model; its ``step_seconds`` is the engine's step time, its
+        ``kv_capacity_tokens`` the engine's KV-cache capacity."""
         from verl_partial.sim.engine import ServerSpec
         from verl_partial.sim.hardware import GPUS, MODELS
 
@@ -79,9 +84,9 @@ class BackendConfig:
 
     emulate_gpu: EmulateGpu | None = None
     """A GPU-shaped engine: ``<GPU>/<model>`` in the simulator's names. Each step of our CPU engine runs its forward,
-    then idles until it has lasted what that model takes on one such GPU for the step's batch (the simulator's
-    roofline), cores idle as on a GPU host; the trainer, Ray, the scheduler, aborts and weight sync stay real.
-    Steps whose real compute exceeds the model are counted (``engine/overruns``). Figures from it are "emulated".
+    then sleeps, cores idle, until it has lasted what that model takes on one such GPU (the simulator's roofline);
+    the engine holds only that GPU's KV cache, preempting as vLLM does. The trainer, Ray, the scheduler, aborts and
+    weight sync stay real. Overrunning steps are counted (``engine/overruns``). Figures from it are "emulated".
     Our engine only: refused with ``cpu_vllm``."""
 
     def __post_init__(self) -> None:

@@ -7,6 +7,14 @@ What makes it behave like a real serving engine (and so makes partial rollout's 
   overhead and weight reads, so it grows sub-linearly with the number of running requests.
 * **Continuous batching**: a finished or aborted request leaves the batch before the next step; waiting requests join
   it (prefill, then decode) without the batch draining first. At most ``max_num_seqs`` run at once.
+* **KV-cache capacity** (``kv_capacity_tokens=``, off by default): the tokens of KV cache a GPU server holds,
+  with vLLM v1's rules, as the simulator applies them (``verl_partial.sim.engine.SimServer``): a waiting request
+  is admitted only while the running requests' context plus its own context + 1 fits (first come, first served: the
+  queue's head that does not fit stops admission); when the running requests' context + 1 token each would not fit
+  a decode step, the newest admitted is preempted (recompute preemption: its KV is dropped, it goes back to the front
+  of the queue with its tokens, and on readmission its prompt and every token it generated are prefilled again).
+  A step that preempts admits no one (vLLM's ``Scheduler.schedule`` schedules the waiting queue only without
+  preemptions). SGLang retracts decoding requests when its memory runs out too; both semantics apply the same rule.
 * **Responsive control**: the model runs in a single worker thread (torch releases the GIL inside its kernels) while
   the asyncio loop owns all scheduling state. ``abort`` resolves the request's ``generate`` immediately with the
   tokens produced so far; the slot is reclaimed before the next step.
@@ -14,7 +22,8 @@ What makes it behave like a real serving engine (and so makes partial rollout's 
   not against what is convenient:
 
   - ``"vllm"`` (vLLM 0.24 v1 engine): an abort ends a request at once with its tokens so far (a queued one with
-    none); EOS is checked before the length cap (``vllm/v1/core/sched/utils.py``, ``check_stop``).
+    none, a preempted one with those it had); EOS is checked before the length cap
+    (``vllm/v1/core/sched/utils.py``, ``check_stop``).
   - ``"sglang"`` (SGLang 0.5.12): an abort of a *running* request only sets ``to_finish``; the request decodes one
     more token, then ``Req.check_finished`` ends it as aborted (scheduler.py@0.5.12:3651-3655 "Abort method 3: set
     `to_finish`"); a queued one leaves with no tokens (scheduler.py@0.5.12:3567-3570 "self.waiting_queue.pop(i)").
@@ -38,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import json
 import os
 import threading
@@ -121,6 +131,8 @@ class EngineStats:
     (or paused). ``decode_context_tokens`` sums the context every decode row attended to. With a step-time model
     (``backend.emulate_gpu``): ``modelled_s`` is the modelled time of the steps, ``compute_s`` the real compute
     inside them, ``overruns`` the steps whose compute took longer than modelled (they last their compute time).
+    With a KV-cache capacity: ``preemptions`` counts running requests sent back to the queue to make room; their
+    re-prefill is in ``prefill_tokens``.
     """
 
     generated_tokens: int = 0
@@ -134,13 +146,16 @@ class EngineStats:
     modelled_s: float = 0.0
     compute_s: float = 0.0
     overruns: int = 0
+    preemptions: int = 0
 
 
 @dataclass(eq=False)
 class EngineRequest:
     """One submitted request. ``future`` resolves with its result; ``first_output`` is set at its first token or
     when it ends without one (when vLLM's output stream yields its first ``RequestOutput``, the moment verl's
-    ``vLLMHttpServer.generate`` lowers ``_admitting``). ``to_finish``: SGLang's pending abort (one more token)."""
+    ``vLLMHttpServer.generate`` lowers ``_admitting``). ``to_finish``: SGLang's pending abort (one more token).
+    ``admitted``: when it last joined the batch (an engine-wide count), so the newest running request is the one
+    preempted whatever slot compaction did to the slots' order."""
 
     request_id: str
     prompt_ids: list[int]
@@ -152,6 +167,17 @@ class EngineRequest:
     log_probs: list[float] = field(default_factory=list)
     to_finish: bool = False
     done: bool = False
+    admitted: int = 0
+
+    @property
+    def context_len(self) -> int:
+        """Tokens of its sequence: the prompt and every token generated so far."""
+        return len(self.prompt_ids) + len(self.token_ids)
+
+    @property
+    def sequence(self) -> list[int]:
+        """What a prefill runs: the prompt, then the tokens a preempted request had generated before it left."""
+        return self.prompt_ids + self.token_ids
 
     @property
     def cached_len(self) -> int:
@@ -163,13 +189,14 @@ class EngineRequest:
 class _StepPlan:
     """Everything the worker thread needs for one step; built on the loop thread so the worker reads no live state.
 
-    Rows are slots ``0..len(decode_tokens)-1`` (decode) followed by the newly admitted prompts (prefill).
+    Rows are slots ``0..len(decode_tokens)-1`` (decode) followed by the newly admitted requests (prefill of their
+    whole sequence: the prompt, plus the tokens a preempted request had generated).
     """
 
     moves: list[tuple[int, int, int]]  # (src slot, dst slot, cached length)
     decode_tokens: list[int]
     decode_positions: list[int]
-    prefill_prompts: list[list[int]]
+    prefill_prompts: list[list[int]]  # each joiner's sequence
     samplers: list[tuple[SamplingParams, torch.Generator | None]]
     max_len: int
 
@@ -204,6 +231,7 @@ class CpuBatchedEngine:
         semantics: Semantics = "vllm",
         virtual_step_s: float | None = None,
         step_time: StepTimeModel | None = None,
+        kv_capacity_tokens: int | None = None,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
         stats_file: str | None = None,
@@ -228,6 +256,12 @@ class CpuBatchedEngine:
                 engine sleeps the rest of ``step_time(*shape)`` seconds (typically
                 ``verl_partial.sim.engine.ServerSpec.step_seconds``), cores idle; a step whose compute exceeds it
                 is counted in ``stats.overruns``. Not with ``virtual_step_s``.
+            kv_capacity_tokens: tokens of KV cache the engine holds (typically
+                ``verl_partial.sim.engine.ServerSpec.kv_capacity_tokens``): admission waits for room and the newest
+                running request is preempted when decoding would overflow it (module docstring). A GPU-shaped engine
+                must be bound by its GPU's KV cache as well as its step time, or a partial mode that holds more
+                context than that GPU could would look better than it would be. ``None``: unlimited (the CPU cache
+                grows as needed). A single request that outgrows it fails with a ``ValueError``.
             device: where the model, its KV cache and the sampling run (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...).
                 The model is moved there in place (``nn.Module.to``), so the caller's module is the engine's; one
                 engine serves both, the GPU only making each step faster (benchmarks/gpu_engine_curve.py).
@@ -243,6 +277,9 @@ class CpuBatchedEngine:
             raise ValueError(f"unsupported logprobs_mode {logprobs_mode!r}")
         if semantics not in SEMANTICS:
             raise ValueError(f"semantics must be one of {list(SEMANTICS)}, got {semantics!r}")
+        if kv_capacity_tokens is not None and kv_capacity_tokens < 1:
+            raise ValueError(f"kv_capacity_tokens must be >= 1 or None, got {kv_capacity_tokens}")
+        self.kv_capacity_tokens = kv_capacity_tokens
         self.semantics: Semantics = semantics
         self.virtual_step_s = virtual_step_s
         # Real time: the least a step lasts (fault injection's ``step_s``), so a test can make an answer outlast a
@@ -275,6 +312,7 @@ class CpuBatchedEngine:
         self._model_lock = threading.Lock()  # a step and a weight load never overlap
         self._waiting: deque[EngineRequest] = deque()
         self._slots: list[EngineRequest] = []  # index == KV slot; may hold finished requests until the next compaction
+        self._admissions = itertools.count()  # EngineRequest.admitted
         self._requests: dict[str, EngineRequest] = {}  # unfinished requests, waiting or running
         self._paused = False
         self._stats = EngineStats()
@@ -372,7 +410,8 @@ class CpuBatchedEngine:
         return request
 
     async def abort(self, request_id: str) -> bool:
-        """Abort a waiting or running request; its ``generate`` returns the tokens so far as ``"aborted"``.
+        """Abort a waiting or running request; its ``generate`` returns the tokens so far as ``"aborted"`` (a
+        preempted request, back in the queue, returns those it generated before it left the batch).
 
         vLLM semantics: at once. SGLang semantics: a running request after one more token (module docstring).
         Returns whether the request was in flight; unknown or already finished ids are ignored (the request may have
@@ -524,11 +563,16 @@ class CpuBatchedEngine:
     def _schedule(self) -> tuple[_StepPlan, list[EngineRequest]] | None:
         if self._paused:
             return None
-        moves = self._compact()
+        preempted = self._preempt()
+        moves = self._compact(preempted)
         num_decode = len(self._slots)
-        joiners = self._pick_joiners(self.max_num_seqs - len(self._slots))
+        # vLLM v1 schedules the waiting queue only in a step without preemptions (else the request just preempted
+        # could be readmitted at once); a step that preempted every running request admits, or fails, its head.
+        joiners = [] if preempted and self._slots else self._pick_joiners(self.max_num_seqs - len(self._slots))
+        for request in joiners:
+            request.admitted = next(self._admissions)
         self._slots.extend(joiners)
-        width = max((len(r.prompt_ids) for r in joiners), default=0)
+        width = max((r.context_len for r in joiners), default=0)
         if not self._slots:
             return None
         decoding = self._slots[:num_decode]
@@ -536,7 +580,7 @@ class CpuBatchedEngine:
             moves=moves,
             decode_tokens=[r.token_ids[-1] for r in decoding],
             decode_positions=[r.cached_len for r in decoding],
-            prefill_prompts=[r.prompt_ids for r in joiners],
+            prefill_prompts=[r.sequence for r in joiners],
             samplers=[(r.params, r.generator) for r in self._slots],
             max_len=max([r.cached_len + 1 for r in decoding] + [width]),
         )
@@ -545,39 +589,74 @@ class CpuBatchedEngine:
     def _pick_joiners(self, free_slots: int) -> list[EngineRequest]:
         """Waiting requests to prefill this step: the oldest first, then others of a similar length.
 
-        A prefill batch is padded to its longest prompt; resumed partial rollouts mix 20-token prompts
+        A prefill batch is padded to its longest sequence; resumed partial rollouts mix 20-token prompts
         with 500-token prompt+prefix ones, so joining strictly in arrival order would mostly compute
-        padding. Beyond a small batch (where padding is cheap), admitting only prompts within 2x of the
-        oldest one's length bounds that waste; the others keep their place in the queue for the next step.
+        padding. Beyond a small batch (where padding is cheap), admitting only sequences within 2x of the
+        first joiner's length bounds that waste; the others keep their place in the queue for the next step.
+        With a KV-cache capacity, admission stops at the first request whose context + 1 does not fit beside the
+        running requests' context and the joiners' (``SimServer._admit``); one that cannot fit even alone fails.
         """
         if free_slots <= 0 or not self._waiting:
             return []
-        anchor = len(self._waiting[0].prompt_ids)
+        capacity = self.kv_capacity_tokens
+        used = sum(r.context_len for r in self._slots)
         joiners: list[EngineRequest] = []
-        width = 0
+        anchor = width = 0
         for request in list(self._waiting):
             if len(joiners) == free_slots:
                 break
-            length = len(request.prompt_ids)
+            length = request.context_len
             padded = max(width, length) * (len(joiners) + 1)
             if joiners and padded > _CHEAP_PREFILL_TOKENS and not anchor / 2 <= length <= anchor * 2:
                 continue
             if joiners and padded > self.max_num_batched_tokens:
                 break
+            if capacity is not None and used + length + 1 > capacity:
+                if self._slots or joiners:
+                    break  # it waits for room, and so does everyone behind it
+                error = ValueError(
+                    f"request {request.request_id!r} needs {length + 1} tokens of KV cache, more than the engine's "
+                    f"kv_capacity_tokens={capacity}"
+                )
+                self._finish(request, error)
+                continue
+            if not joiners:
+                anchor = length
             width = max(width, length)
+            used += length + 1
             joiners.append(request)
         for request in joiners:
             self._waiting.remove(request)
         return joiners
 
-    def _compact(self) -> list[tuple[int, int, int]]:
-        """Drop finished requests from the slots; fill each hole with a live request from the tail."""
-        live = sum(not r.done for r in self._slots)
-        tail = ((slot, r) for slot, r in enumerate(self._slots) if slot >= live and not r.done)
+    def _preempt(self) -> list[EngineRequest]:
+        """vLLM's recompute preemption: while the running requests' context + 1 token each (what the next decode
+        step needs, ``SimServer._plan_decode_segment``) exceeds the KV capacity, the newest admitted goes back to
+        the front of the queue with its tokens (its KV is dropped; it re-prefills all of it when readmitted).
+        Returns the preempted requests; they still sit in their slots until :meth:`_compact`."""
+        if self.kv_capacity_tokens is None:
+            return []
+        running = [r for r in self._slots if not r.done]
+        need = sum(r.context_len + 1 for r in running)
+        preempted: list[EngineRequest] = []
+        while need > self.kv_capacity_tokens:
+            victim = max(running, key=lambda r: r.admitted)
+            running.remove(victim)
+            need -= victim.context_len + 1
+            preempted.append(victim)
+            self._waiting.appendleft(victim)  # the oldest of them ends up first, as in vLLM and the simulator
+        self._stats.preemptions += len(preempted)
+        return preempted
+
+    def _compact(self, preempted: list[EngineRequest]) -> list[tuple[int, int, int]]:
+        """Drop finished and preempted requests from the slots; fill each hole with a live request from the tail."""
+        stays = [not r.done and r not in preempted for r in self._slots]
+        live = sum(stays)
+        tail = ((slot, r) for slot, r in enumerate(self._slots) if slot >= live and stays[slot])
         moves = []
         kept = self._slots[:live]
-        for dst, request in enumerate(kept):
-            if request.done:
+        for dst in range(live):
+            if not stays[dst]:
                 src, kept[dst] = next(tail)
                 moves.append((src, dst, kept[dst].cached_len))
         self._slots = kept

@@ -106,7 +106,9 @@ class _CpuServerBase:
     ``SGLangHttpServer.__init__``). A CPU engine holding a tiny model has no memory to release or profile.
     ``virtual_step_s`` is the engine's (tests on a virtual clock); Ray launches servers without it. A server
     started with ``VERL_PARTIAL_EMULATE_GPU`` (``backend.emulate_gpu``, exported by the driver) runs a GPU-shaped
-    engine: each step lasts what the simulator's roofline gives that GPU and model for the step's batch.
+    engine: each step lasts what the simulator's roofline gives that GPU and model for the step's batch, and the
+    engine holds only the KV cache that GPU holds for that model (``ServerSpec.kv_capacity_tokens``), preempting as
+    vLLM does when it runs out.
     """
 
     # Whose engine semantics the server reproduces (set by each server class).
@@ -143,6 +145,7 @@ class _CpuServerBase:
             semantics=semantics,
             virtual_step_s=virtual_step_s,
             step_time=None if gpu_server is None else gpu_server.step_seconds,
+            kv_capacity_tokens=None if gpu_server is None else gpu_server.kv_capacity_tokens,
             stats_file=stats_file(self.replica_rank),
         )
 
@@ -207,13 +210,15 @@ class _CpuServerBase:
         raise NotImplementedError
 
     def engine_stats(self) -> dict[str, Any]:
-        """The engine's cumulative counters (``EngineStats``) with ``max_num_seqs`` and the ``emulate_gpu`` setting
-        (``"<GPU>/<model>"`` or None): what :func:`~verl_partial.cpu_backend.occupancy.slot_occupancy` reads.
+        """The engine's cumulative counters (``EngineStats``) with ``max_num_seqs``, the ``emulate_gpu`` setting
+        (``"<GPU>/<model>"`` or None) and the KV-cache capacity it implies (tokens, or None: unlimited): what
+        :func:`~verl_partial.cpu_backend.occupancy.slot_occupancy` reads.
         One cheap Ray call in any trainer mode (the counters are always kept)."""
         return {
             **dataclasses.asdict(self.engine.stats),
             "max_num_seqs": self.engine.max_num_seqs,
             "emulate_gpu": None if self.emulate_gpu is None else self.emulate_gpu.name,
+            "kv_capacity_tokens": self.engine.kv_capacity_tokens,
         }
 
 
