@@ -45,7 +45,7 @@ import math
 import statistics
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -132,6 +132,9 @@ class PeerMode:
     trainer: str  # "v0": RayPPOTrainer with +backend=<engine>; "v1": PPOTrainer with +backend=<engine>_v1
     partial: str | None = None
     overrides: tuple[str, ...] = ()
+    # Tell our scheduler the emulated server's KV cache (``partial.kv_tokens_per_server``), as a user reads it from
+    # vLLM's start-up log; only where the engine emulates a GPU, whose cache size the benchmark knows.
+    kv_aware: bool = False
 
     def __post_init__(self) -> None:
         if self.trainer not in ("v0", "v1"):
@@ -170,6 +173,8 @@ MODES: dict[str, PeerMode] = {
             "default",
             overrides=("partial.refill=false", f"partial.extra_groups={Workload().prompts}"),
         ),
+        # The server's KV cache given to the scheduler: calls per server capped at it over the expected context.
+        PeerMode("default_kv", "ours `+partial=default`, KV cache size given", "v0", "default", kv_aware=True),
         PeerMode("on_policy", "ours `+partial=on_policy`", "v0", "on_policy"),
         PeerMode("kimi", "ours `+partial=kimi`", "v0", "kimi"),
         PeerMode("restart", "ours `+partial=restart`", "v0", "restart"),
@@ -277,6 +282,14 @@ def command_for(
     if mode.trainer == "v1":  # the same agent-loop registration, pointing at the v1-aware subclass
         target = f"{MODULE}.{SessionImposedLengthAgentLoop.__name__}"
         (run_dir / "agent_loops.yaml").write_text(f"- name: {AGENT_LOOP}\n  _target_: {target}\n")
+    if mode.kv_aware:
+        gpu = emulated_in(extra)
+        if gpu is None:
+            raise SystemExit(
+                f"{mode.name} needs the server's KV cache size: run it on an emulated GPU (--engine-override "
+                f"{engine}=+{EMULATE_OVERRIDE}=...), or give partial.kv_tokens_per_server in a mode of its own"
+            )
+        overrides = [*overrides, f"partial.kv_tokens_per_server={gpu.server_spec(wl.slots).kv_capacity_tokens}"]
     return demo_command(
         [],
         steps=wl.steps,
@@ -325,7 +338,12 @@ SLOT_CAPACITY, TOKENS_TRAINED = "partial/slot/capacity", "partial/tokens_trained
 
 def emulated_gpu(results: dict[str, Any], engine: str) -> EmulatedGpu | None:
     """The GPU and model an engine's runs emulated (its ``--engine-override``), or None for a measured engine."""
-    for override in results.get("engines", {}).get(engine, {}).get("overrides", []):
+    return emulated_in(results.get("engines", {}).get(engine, {}).get("overrides", []))
+
+
+def emulated_in(overrides: Iterable[str]) -> EmulatedGpu | None:
+    """The GPU and model a list of trainer overrides emulates, or None."""
+    for override in overrides:
         key, _, value = override.lstrip("+").partition("=")
         if key in (EMULATE_OVERRIDE, "backend.emulate_gpu"):
             return EmulatedGpu.parse(value)

@@ -334,15 +334,10 @@ FIGURES: tuple[Figure, ...] = (
     ),
 )
 
-_UNEQUAL_HARNESS = (
-    "the unequal harness: only some modes got the worker_process_setup_hook, so modes trained on 1 or 2 torch "
-    "threads of 2 cores; the speed-ups compare thread counts as much as schedulers"
-)
+_UNEQUAL_HARNESS = "unequal harness: modes trained on 1 or 2 torch threads of 2 cores (the Ray setup hook in some only)"
 
-_EARLIER_ADMISSION = (
-    "measured before `partial.fill_engine` (issue 25 item 5): the runs admitted by finished groups only, which the "
-    "presets no longer do; not re-measured yet"
-)
+_EARLIER_ADMISSION = "measured before `partial.fill_engine`, not re-measured"
+
 
 WITHDRAWN: tuple[Withdrawn, ...] = (
     Withdrawn(

@@ -82,6 +82,19 @@ def test_v1_modes_run_the_v1_trainer_with_session_indexed_lengths(peer: ModuleTy
         assert (bound in command) is bounded
 
 
+def test_the_kv_aware_mode_tells_the_scheduler_the_emulated_cache_and_refuses_without_one(
+    peer: ModuleType, tmp_path: Path
+) -> None:
+    paths = {"model": tmp_path / "model", "train": tmp_path / "t.parquet", "val": tmp_path / "v.parquet"}
+    emulate = f"+{peer.EMULATE_OVERRIDE}=H20/Qwen2.5-32B"
+    (tmp_path / "kv").mkdir()
+    command = peer.command_for(peer.MODES["default_kv"], paths, peer.Workload(), tmp_path / "kv", "cpu", (emulate,))
+    assert "+partial=default" in command and "partial.kv_tokens_per_server=33569" in command
+    (tmp_path / "none").mkdir()
+    with pytest.raises(SystemExit, match="KV cache size"):
+        peer.command_for(peer.MODES["default_kv"], paths, peer.Workload(), tmp_path / "none", "cpu")
+
+
 def test_partial_presets_are_refused_on_v1(peer: ModuleType) -> None:
     with pytest.raises(ValueError, match="legacy trainer"):
         peer.PeerMode("bad", "bad", "v1", partial="default")

@@ -219,6 +219,7 @@ def configs(draw: st.DrawFn, max_extra: int = 6) -> PartialConfig:
         request_timeout_s=2.0,
         abort_grace_s=1.0,
         max_calls_per_server=draw(st.integers(1, 8)),
+        kv_tokens_per_server=draw(st.one_of(st.none(), st.integers(1, 200))),
     )
 
 

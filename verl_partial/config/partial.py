@@ -108,6 +108,12 @@ class PartialConfig:
     """Most outstanding generate calls per server; keep it below the server actor's Ray ``max_concurrency`` (1000 in
     verl) so abort/resume/sleep always find a free slot."""
 
+    kv_tokens_per_server: int | None = None
+    """Tokens of KV cache one server holds (vLLM's start-up log: "GPU KV cache size: N tokens"). Set, a server gets at
+    most this many tokens over the mean context (prompt + response) of the samples finished so far in calls at once,
+    within ``max_calls_per_server``: a server sent more than its cache holds preempts and recomputes long answers.
+    ``null``: not capped by the cache."""
+
     schedule: Schedule = "fifo"
     """Launch order of a step's samples. ``fifo``: oldest group first. ``longest_first``: longest expected answer
     first, estimated from the group's finished siblings or the prompt's earlier epochs (Seer, RollPacker;
@@ -177,6 +183,12 @@ class PartialConfig:
         require(self.abort_grace_s > 0, "partial.abort_grace_s", "a number > 0", self.abort_grace_s)
         require(
             self.max_calls_per_server >= 1, "partial.max_calls_per_server", "an integer >= 1", self.max_calls_per_server
+        )
+        require(
+            self.kv_tokens_per_server is None or self.kv_tokens_per_server >= 1,
+            "partial.kv_tokens_per_server",
+            "null or an integer >= 1 (the server's KV cache in tokens)",
+            self.kv_tokens_per_server,
         )
 
     def max_new_tokens(self, generated: int, generated_this_step: int, response_length: int) -> int:

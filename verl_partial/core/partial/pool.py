@@ -211,6 +211,10 @@ class Counters:
     judged_groups: int = 0  # finished groups whose rewards the group filter read
     filtered_groups: int = 0  # judged groups whose rewards did not vary: taken out, never trained
     filtered_tokens: int = 0
+    # Samples that finished and their contexts (prompt + response tokens): the expected context of a sample, which
+    # ``partial.kv_tokens_per_server`` turns into a per-server call cap (``RolloutPool.launch_cap``).
+    finished_samples: int = 0
+    finished_context_tokens: int = 0
 
 
 def check_carry_fits(config: PartialConfig, batch_groups: int) -> None:
@@ -323,6 +327,19 @@ class RolloutPool(Generic[P]):
             )
         bound = (1 + self.config.max_staleness) * self.batch_groups - len(self.groups)
         return max(0, min(bound, (self.engine_slots - self._open_samples) // self.group_size))
+
+    def launch_cap(self) -> int:
+        """Most calls one server may have outstanding: ``partial.max_calls_per_server``, and with
+        ``partial.kv_tokens_per_server`` no more than that many tokens of cache over the expected context of a sample
+        (the mean over the samples finished so far in the run; until one has, the cache is not the limit). A server
+        then holds about as much context as its cache, so it does not preempt and recompute the requests it admitted
+        by their length at admission; the samples beyond the cap wait in the pool, where waiting costs nothing."""
+        cap = self.config.max_calls_per_server
+        kv_tokens, finished = self.config.kv_tokens_per_server, self.totals.finished_samples
+        if kv_tokens is None or not finished:
+            return cap
+        expected_context = self.totals.finished_context_tokens / finished
+        return max(1, min(cap, int(kv_tokens // expected_context)))
 
     def open_samples(self) -> int:
         """Unfinished samples held (running, queued or parked)."""
@@ -571,6 +588,8 @@ class RolloutPool(Generic[P]):
         if sample.finished:
             self._open_samples -= 1
             self.finished_lengths.append(len(sample.token_ids))
+            prompt_tokens = 0 if group.prompt_ids is None else len(group.prompt_ids)
+            self.count(finished_samples=1, finished_context_tokens=prompt_tokens + len(sample.token_ids))
             if group.finished:
                 (self._finished if self.group_filter is None else self._unjudged).add(group.group_id)
         self.server_tokens[result.server] += len(new_ids)

@@ -201,7 +201,7 @@ class _Step(Generic[P]):
         self.scoring: dict[asyncio.Task[list[list[SampleScore]]], list[GroupState[P]]] = {}
         self.config = pool.config
         self.loop = asyncio.get_running_loop()
-        self.router = Router(servers, self.config.max_calls_per_server)
+        self.router = Router(servers, pool.launch_cap())
         self.calls: dict[asyncio.Future[SegmentResult], _Call] = {}
         # Answers queue up through one done-callback per call, so a wake-up costs O(answers), not O(outstanding
         # calls) as asyncio.wait over every call would (thousands of wake-ups a step at 512 x 16; the step's driver
@@ -241,6 +241,8 @@ class _Step(Generic[P]):
         if not self.launch_needed:
             return
         self.launch_needed = False
+        # The cap follows the expected context as samples finish (``partial.kv_tokens_per_server``).
+        self.router.max_calls_per_server = self.pool.launch_cap()
         wave: list[tuple[GroupState[P], SegmentRequest, int]] = []
         # Lazily: once every server is at max_calls_per_server the rest is never produced (one answer frees one slot,
         # so a launch usually takes one sample).
@@ -585,6 +587,8 @@ class _Step(Generic[P]):
             "partial/server_load/tokens_mean": float(mean),
             "partial/server_load/max_over_mean": max(tokens) / mean if mean else 1.0,
             "partial/server_load/calls_max": float(self.router.peak_calls),
+            # Calls per server allowed at the step end (``partial.max_calls_per_server``, lowered by the KV cache).
+            "partial/server_load/calls_cap": float(self.router.max_calls_per_server),
             # Servers sitting this step out: their abort outlived the last step end and they had not reopened yet.
             "partial/server_load/closed": float(len(self.backend.servers) - len(self.router.servers)),
         }
