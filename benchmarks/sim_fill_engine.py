@@ -1,11 +1,13 @@
-"""Admission by the engines' free slots (``partial.fill_engine``) against admission by finished groups, simulated.
+"""Admission by the engines' free capacity, simulated: ``partial.fill_engine`` and ``partial.kv_tokens_per_server``.
 
     python -m benchmarks.sim_fill_engine --json benchmarks/results/sim_fill_engine.json
 
-The real scheduler over the simulator's vLLM servers (7B on H100s, ``max_num_seqs`` 256, lengths lognormal with
-median 1,000 and p99/p50 8, cap 8,192): rollout phase per trained token of ``+partial=default`` with and without
-``fill_engine``, and of sync, on a server that never fills (fewer samples in flight than slots, even at the staleness
-bound) and on one that queues (more samples per batch than slots). Seeds vary the length draws.
+The real scheduler over the simulator's vLLM servers: rollout phase per trained token of ``+partial=default``, with
+``fill_engine`` off (admission by finished groups), as it ships, and told the servers' KV cache
+(``kv_tokens_per_server``), and of sync, on three servers: 7B on H100s (256 slots, lengths median 1,000, p99/p50 8,
+cap 8,192) that never fill (fewer samples in flight than slots, even at the staleness bound) and that queue (more
+samples per batch than slots); and 32B on H20s (256 slots, median 2,048, cap 16,384) whose KV cache (33,569 tokens a
+server) holds far fewer answers than slots, so vLLM preempts and recomputes. Seeds vary the length draws.
 """
 
 from __future__ import annotations
@@ -26,29 +28,53 @@ from verl_partial.sim.workload import Workload
 
 SEEDS = (0, 1, 2)
 STEPS, WARMUP = 8, 2
-# (name, prompts per batch, samples per prompt, servers): 256 samples on 512 slots never fill them, even with the
-# staleness bound's 2 batches in flight; 512 samples on 256 slots queue.
-SHAPES = (("never fills", 32, 8, 2), ("queues", 64, 8, 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One server set and workload: ``batch`` prompts x ``n`` samples a step on ``servers`` servers."""
+
+    name: str
+    gpu: str
+    model: str
+    batch: int
+    n: int
+    servers: int
+    p50: float
+    response_length: int
+
+
+# 256 samples on 512 slots never fill them, even with the staleness bound's 2 batches in flight; 512 samples on 256
+# slots queue; 1,024 answers of thousands of tokens on 8 servers whose cache holds about 16 of them each.
+SHAPES = (
+    Shape("never fills", "H100-SXM", "Qwen2.5-7B", 32, 8, 2, 1000, 8192),
+    Shape("queues", "H100-SXM", "Qwen2.5-7B", 64, 8, 1, 1000, 8192),
+    Shape("KV-bound", "H20", "Qwen2.5-32B", 64, 16, 8, 2048, 16384),
+)
 
 
 def measure() -> list[dict[str, Any]]:
-    spec = ServerSpec(gpu=GPUS["H100-SXM"], model=MODELS["Qwen2.5-7B"], max_num_seqs=256)
     rows = []
-    for shape, batch, n, servers in SHAPES:
-        modes = mode_configs(batch)
+    for shape in SHAPES:
+        spec = ServerSpec(gpu=GPUS[shape.gpu], model=MODELS[shape.model], max_num_seqs=256)
+        modes = mode_configs(shape.batch)
         configs = {
             "sync": modes["sync"],
             "default": modes["default"],
             "default_by_groups": dataclasses.replace(modes["default"], fill_engine=False),
+            "default_kv": dataclasses.replace(modes["default"], kv_tokens_per_server=spec.kv_capacity_tokens),
         }
         for name, config in configs.items():
-            per_token = []
+            per_token, preemptions = [], []
             for seed in SEEDS:
-                workload = Workload(batch=batch, n=n, p50=1000, p99_over_p50=8, response_length=8192, seed=seed)
-                run = simulate(config, workload, spec, servers=servers, steps=STEPS).steady(WARMUP)
+                workload = Workload(batch=shape.batch, n=shape.n, p50=shape.p50, p99_over_p50=8,
+                                    response_length=shape.response_length, seed=seed)  # fmt: skip
+                whole = simulate(config, workload, spec, servers=shape.servers, steps=STEPS)
+                run = whole.steady(WARMUP)
                 per_token.append(1e3 * sum(run.seconds) / sum(run.tokens_trained))
-            rows.append({"shape": shape, "batch": batch, "n": n, "servers": servers, "mode": name,
-                         "ms_per_trained_token": per_token})  # fmt: skip
+                preemptions.append(whole.engine.preemptions)
+            rows.append({**dataclasses.asdict(shape), "shape": shape.name, "mode": name,
+                         "ms_per_trained_token": per_token, "preemptions": preemptions})  # fmt: skip
     return rows
 
 
@@ -58,13 +84,21 @@ def speedups(rows: list[dict[str, Any]], shape: str, base: str, mode: str) -> li
     return [b / m for b, m in zip(by_mode[base], by_mode[mode], strict=True)]
 
 
+def _ratio(values: list[float]) -> str:
+    return f"{statistics.fmean(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
+
+
 def summary(rows: list[dict[str, Any]]) -> str:
+    """Per shape, ``default`` over admission by finished groups and over sync; and where the cache binds (a mode
+    preempted), ``default`` told the cache size over sync."""
     parts = []
-    for shape, *_ in SHAPES:
-        fill = speedups(rows, shape, "default_by_groups", "default")
-        sync = speedups(rows, shape, "sync", "default")
-        parts.append(f"{shape}: {statistics.fmean(fill):.2f}x ({min(fill):.2f}-{max(fill):.2f}) over admission by "
-                     f"finished groups, {statistics.fmean(sync):.2f}x over sync")  # fmt: skip
+    for shape in dict.fromkeys(row["shape"] for row in rows):
+        text = (f"{shape}: {_ratio(speedups(rows, shape, 'default_by_groups', 'default'))} over admission by finished "
+                f"groups, {_ratio(speedups(rows, shape, 'sync', 'default'))} over sync")  # fmt: skip
+        preempted = any(sum(row.get("preemptions", [0])) for row in rows if row["shape"] == shape)
+        if preempted and any(row["mode"] == "default_kv" for row in rows if row["shape"] == shape):
+            text += f", told the KV cache size {_ratio(speedups(rows, shape, 'sync', 'default_kv'))}"
+        parts.append(text)
     return "; ".join(parts)
 
 
