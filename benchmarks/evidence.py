@@ -296,10 +296,11 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="sim-fill-engine",
-        claim="`+partial=default` (admission by the engines' free slots, `fill_engine`) against the same preset "
-        "admitting by finished groups, and against sync: the real scheduler over the simulator's vLLM servers (7B on "
-        "H100s, 256 slots each; lengths median 1,000, p99/p50 8), rollout phase per trained token, seeds 0-2, on a "
-        "server that never fills (32 x 8 samples, 2 servers) and one that queues (64 x 8, 1 server)",
+        claim="`+partial=default` against the same preset admitting by finished groups (`fill_engine=false`), against "
+        "sync, and told the servers' KV cache (`kv_tokens_per_server`): the real scheduler over the simulator's vLLM "
+        "servers, rollout phase per trained token, seeds 0-2; 7B on H100s (256 slots; lengths median 1,000, p99/p50 "
+        "8) that never fill (32 x 8 samples, 2 servers) and that queue (64 x 8, 1 server); 32B on H20s (256 slots, "
+        "33,569 tokens of KV cache each; median 2,048, cap 16,384; 64 x 16 on 8 servers), where vLLM preempts",
         source="sim_fill_engine.json",
         label="simulated",
         value=_sim_fill,
