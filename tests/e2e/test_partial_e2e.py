@@ -228,3 +228,25 @@ def test_default_preset_refills_mid_step_and_throws_nothing_away(demo_assets, tm
     # Refill: without it step 1 admits exactly its pool (GROUPS, no extra groups); with it, every group that
     # finished during step 1 was replaced at once.
     assert run.metric(1, "partial/total/admitted_groups") > GROUPS
+
+
+def test_the_kv_cache_size_caps_the_calls_each_server_runs(demo_assets, tmp_path):
+    """``partial.kv_tokens_per_server`` reaches the trainer's scheduler: told a cache smaller than any answer, each
+    server gets one call at a time once a sample has finished (step 1 learns the expected context), and every step
+    still trains whole groups, each once, nothing thrown away."""
+    dump = f"partial.dump_dir={tmp_path / 'dump'}"
+    run = run_trainer(demo_assets, tmp_path, steps=3, partial="default", extra=[dump, "partial.kv_tokens_per_server=1"])
+    run.assert_ok()
+    trained: list[str] = []
+    for step in range(1, 4):
+        assert run.metric(step, "partial/tokens_discarded") == 0
+        keys = [sample["key"] for sample in torch.load(tmp_path / "dump" / f"step_{step}.pt")["samples"]]
+        assert len(set(keys)) == GROUPS and all(keys.count(key) == N for key in set(keys))
+        trained += sorted(set(keys))
+        if step > 1:
+            assert (
+                run.metric(step, "partial/server_load/calls_cap")
+                == run.metric(step, "partial/server_load/calls_max")
+                == 1
+            )
+    assert len(trained) == len(set(trained))
