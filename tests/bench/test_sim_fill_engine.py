@@ -19,4 +19,3 @@ def test_the_summary_names_the_kv_figure_where_the_cache_binds(bench_module: Cal
     # seed by seed: sync 2/1 and 3/2, by groups 1/1 and 3/2, told the cache 2/1 and 3/1.5
     assert roomy == "roomy: 1.25x (1.00-1.50) over admission by finished groups, 1.75x (1.50-2.00) over sync"
     assert bound.endswith("over sync, told the KV cache size 2.00x (2.00-2.00)")
-
