@@ -341,7 +341,8 @@ def citations() -> list[tuple[str, re.Match]]:
     found = []
     for name in CITING_FILES:
         text = (REPO / name).read_text()
-        found += [(name, match) for match in CITATION.finditer(text)]
+        # vLLM's citations carry their ``vllm/`` path and are checked against vLLM's wheel (test_vllm_citations.py).
+        found += [(name, match) for match in CITATION.finditer(text) if not match["file"].startswith("vllm/")]
     return found
 
 

