@@ -132,9 +132,6 @@ class PeerMode:
     trainer: str  # "v0": RayPPOTrainer with +backend=<engine>; "v1": PPOTrainer with +backend=<engine>_v1
     partial: str | None = None
     overrides: tuple[str, ...] = ()
-    # Tell our scheduler the emulated server's KV cache (``partial.kv_tokens_per_server``), as a user reads it from
-    # vLLM's start-up log; only where the engine emulates a GPU, whose cache size the benchmark knows.
-    kv_aware: bool = False
 
     def __post_init__(self) -> None:
         if self.trainer not in ("v0", "v1"):
@@ -173,8 +170,15 @@ MODES: dict[str, PeerMode] = {
             "default",
             overrides=("partial.refill=false", f"partial.extra_groups={Workload().prompts}"),
         ),
-        # The server's KV cache given to the scheduler: calls per server capped at it over the expected context.
-        PeerMode("default_kv", "ours `+partial=default`, KV cache size given", "v0", "default", kv_aware=True),
+        # The default before it read the servers' KV cache (``partial.kv_tokens_per_server=auto``): calls per server
+        # not capped by the cache, so an engine whose cache holds fewer answers than it admits preempts.
+        PeerMode(
+            "default_kv_off",
+            "ours `+partial=default`, not capped by the KV cache",
+            "v0",
+            "default",
+            overrides=("partial.kv_tokens_per_server=off",),
+        ),
         PeerMode("on_policy", "ours `+partial=on_policy`", "v0", "on_policy"),
         PeerMode("kimi", "ours `+partial=kimi`", "v0", "kimi"),
         PeerMode("restart", "ours `+partial=restart`", "v0", "restart"),
@@ -282,14 +286,6 @@ def command_for(
     if mode.trainer == "v1":  # the same agent-loop registration, pointing at the v1-aware subclass
         target = f"{MODULE}.{SessionImposedLengthAgentLoop.__name__}"
         (run_dir / "agent_loops.yaml").write_text(f"- name: {AGENT_LOOP}\n  _target_: {target}\n")
-    if mode.kv_aware:
-        gpu = emulated_in(extra)
-        if gpu is None:
-            raise SystemExit(
-                f"{mode.name} needs the server's KV cache size: run it on an emulated GPU (--engine-override "
-                f"{engine}=+{EMULATE_OVERRIDE}=...), or give partial.kv_tokens_per_server in a mode of its own"
-            )
-        overrides = [*overrides, f"partial.kv_tokens_per_server={gpu.server_spec(wl.slots).kv_capacity_tokens}"]
     return demo_command(
         [],
         steps=wl.steps,

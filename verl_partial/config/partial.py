@@ -21,6 +21,7 @@ BLOCK = "partial"
 
 StalenessPolicy = Literal["restart", "drop", "keep", "wait"]
 Schedule = Literal["fifo", "longest_first"]
+KvCacheSource = Literal["auto", "off"]
 #: Allowed values of ``partial.staleness_policy``.
 STALENESS_POLICIES: tuple[str, ...] = choices(StalenessPolicy)
 #: Allowed values of ``partial.schedule``.
@@ -108,11 +109,11 @@ class PartialConfig:
     """Most outstanding generate calls per server; keep it below the server actor's Ray ``max_concurrency`` (1000 in
     verl) so abort/resume/sleep always find a free slot."""
 
-    kv_tokens_per_server: int | None = None
-    """Tokens of KV cache one server holds (vLLM's start-up log: "GPU KV cache size: N tokens"). Set, a server gets at
-    most this many tokens over the mean context (prompt + response) of the samples finished so far in calls at once,
-    within ``max_calls_per_server``: a server sent more than its cache holds preempts and recomputes long answers.
-    ``null``: not capped by the cache."""
+    kv_tokens_per_server: int | KvCacheSource = "auto"
+    """Tokens of KV cache per server. A server gets at most this over the mean context (prompt + response) of the
+    samples finished so far in calls at once: sent more, vLLM preempts and recomputes long answers. ``auto``: the
+    smallest server's, read from the engines at the first step (vLLM's "GPU KV cache size" x ``data_parallel_size``,
+    SGLang's ``max_total_num_tokens``); no cap where an engine does not say. ``off``: no cap."""
 
     schedule: Schedule = "fifo"
     """Launch order of a step's samples. ``fifo``: oldest group first. ``longest_first``: longest expected answer
@@ -185,9 +186,9 @@ class PartialConfig:
             self.max_calls_per_server >= 1, "partial.max_calls_per_server", "an integer >= 1", self.max_calls_per_server
         )
         require(
-            self.kv_tokens_per_server is None or self.kv_tokens_per_server >= 1,
+            isinstance(self.kv_tokens_per_server, str) or self.kv_tokens_per_server >= 1,
             "partial.kv_tokens_per_server",
-            "null or an integer >= 1 (the server's KV cache in tokens)",
+            "auto, off or an integer >= 1 (the server's KV cache in tokens)",
             self.kv_tokens_per_server,
         )
 

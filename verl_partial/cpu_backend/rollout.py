@@ -376,6 +376,11 @@ class CpuRolloutServer(_CpuServerBase):
         each request the engine holds (queued: 0), for the scheduler's stall check."""
         return {request_id: self.engine.tokens_so_far(request_id) for request_id in self.engine.request_ids}
 
+    async def kv_cache_tokens(self) -> int | None:
+        """What verl-partial adds to verl's vLLM server: the tokens of KV cache the engine holds, its emulated GPU's
+        (``backend.emulate_gpu``), or None: the plain CPU engine holds as much context as it is given."""
+        return self.engine.kv_capacity_tokens
+
     async def resume_generation(self) -> None:
         """``vLLMHttpServer.resume_generation``: resume the engine, then open the gate."""
         self.engine.resume()
@@ -607,6 +612,12 @@ class SglangTokenizerManager:
         async with self.is_pause_cond:
             self.is_pause = False
             self.is_pause_cond.notify_all()
+
+    async def get_internal_state(self) -> list[dict[str, Any]]:
+        """The one field of ``get_internal_state`` verl-partial reads, for the double's one data-parallel rank: the
+        KV-cache capacity in tokens (scheduler.py@0.5.12:3477 "int(self.max_total_num_tokens)"); None where the
+        engine holds as much context as it is given, which a real SGLang never does."""
+        return [{"memory_usage": {"token_capacity": self.engine.kv_capacity_tokens}}]
 
     async def release_memory_occupation(self, obj: Any, request: Any = None) -> None:
         """``Scheduler.release_memory_occupation``: ``assert self.is_fully_idle()``."""

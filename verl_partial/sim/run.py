@@ -112,6 +112,7 @@ def simulate(
             response_length=workload.response_length,
             priority=estimator.priority if estimator else None,
             engine_slots=servers * spec.max_num_seqs,
+            server_kv_tokens=spec.kv_capacity_tokens,  # what each simulated server reports under ``auto``
         )
         backend = SimBackend(spec, servers, workload)
         source = PromptCycle(workload)

@@ -99,6 +99,9 @@ TAKE_BACK_METHOD = "take_back_requests"
 # by request id, or None where the server cannot tell (SGLang: its tokenizer sees a non-streamed request only at
 # its end).
 PROGRESS_METHOD = "progress_of_requests"
+# The server method (ours, on every engine) that reports the tokens of KV cache its engine holds, or None where it
+# cannot tell (``partial.kv_tokens_per_server=auto``).
+KV_CACHE_METHOD = "kv_cache_tokens"
 
 
 @dataclass(frozen=True)
@@ -152,6 +155,24 @@ def check_take_back(servers: dict[str, Any], resolve: Callable[[list[Any]], list
             problems.append(f"server {address}: {type(error).__name__}: {error}")
     if problems:
         raise RuntimeError("partial rollout cannot take calls back on these servers:\n  - " + "\n  - ".join(problems))
+
+
+def read_kv_cache_tokens(servers: dict[str, Any], resolve: Callable[[list[Any]], list[Any]]) -> int | None:
+    """The KV cache of the smallest server, in tokens, as the engines report it (one Ray call per server, once per
+    run): the cap ``partial.kv_tokens_per_server=auto`` divides. None when any server cannot tell (our CPU engine
+    without an emulated GPU), since a cap from the others could starve it or overfill it. ``resolve`` is
+    ``ray.get``; a server without the method (a verl or engine we did not patch) fails here, naming it."""
+    missing = [address for address, server in servers.items() if getattr(server, KV_CACHE_METHOD, None) is None]
+    if missing:
+        raise RuntimeError(
+            f"partial.kv_tokens_per_server=auto cannot read the KV cache of servers {missing}: they have no "
+            f"{KV_CACHE_METHOD} (verl-partial's patch did not reach them); set partial.kv_tokens_per_server to the "
+            "cache size in tokens, or off"
+        )
+    sizes = resolve([getattr(server, KV_CACHE_METHOD).remote() for server in servers.values()])
+    if not sizes or any(size is None for size in sizes):
+        return None
+    return min(int(size) for size in sizes)
 
 
 def engine_adapter(rollout_name: str) -> EngineAdapter:

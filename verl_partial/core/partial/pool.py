@@ -241,6 +241,7 @@ class RolloutPool(Generic[P]):
         priority: Callable[[GroupState[P], SampleState], float] | None = None,
         group_filter: GroupFilter | None = None,
         engine_slots: int | None = None,
+        server_kv_tokens: int | None = None,
     ) -> None:
         if group_size < 1 or batch_groups < 1 or response_length < 1:
             raise ValueError(
@@ -260,6 +261,9 @@ class RolloutPool(Generic[P]):
         # Samples every engine together can run at once (``partial.fill_engine``); the glue sets it once the servers
         # exist (they start after the trainer that builds the pool).
         self.engine_slots = engine_slots
+        # KV-cache tokens of the smallest server, as its engine reports it (``partial.kv_tokens_per_server=auto``;
+        # None: no engine says); the glue sets it once the servers exist, like ``engine_slots``.
+        self.server_kv_tokens = server_kv_tokens
         # Launch order (``partial.schedule``): a sort key, ascending, under ``longest_first``; oldest group first under
         # ``fifo`` (an estimator may exist for ``length_window_steps`` alone, its priority is then not for launches).
         self.priority = priority if config.schedule == "longest_first" else None
@@ -329,17 +333,25 @@ class RolloutPool(Generic[P]):
         return max(0, min(bound, (self.engine_slots - self._open_samples) // self.group_size))
 
     def launch_cap(self) -> int:
-        """Most calls one server may have outstanding: ``partial.max_calls_per_server``, and with
-        ``partial.kv_tokens_per_server`` no more than that many tokens of cache over the expected context of a sample
-        (the mean over the samples finished so far in the run; until one has, the cache is not the limit). A server
-        then holds about as much context as its cache, so it does not preempt and recompute the requests it admitted
-        by their length at admission; the samples beyond the cap wait in the pool, where waiting costs nothing."""
+        """Most calls one server may have outstanding: ``partial.max_calls_per_server``, and no more than the server's
+        KV cache (``partial.kv_tokens_per_server``) over the expected context of a sample (the mean over the samples
+        finished so far in the run; until one has, the cache is not the limit). A server then holds about as much
+        context as its cache, so it does not preempt and recompute the requests it admitted by their length at
+        admission; the samples beyond the cap wait in the pool, where waiting costs nothing."""
         cap = self.config.max_calls_per_server
-        kv_tokens, finished = self.config.kv_tokens_per_server, self.totals.finished_samples
+        kv_tokens, finished = self.kv_tokens(), self.totals.finished_samples
         if kv_tokens is None or not finished:
             return cap
         expected_context = self.totals.finished_context_tokens / finished
         return max(1, min(cap, int(kv_tokens // expected_context)))
+
+    def kv_tokens(self) -> int | None:
+        """The KV-cache tokens per server the launch cap divides: the configured size, the engines' under ``auto``,
+        None under ``off`` or when no engine reported one."""
+        setting = self.config.kv_tokens_per_server
+        if setting == "off":
+            return None
+        return self.server_kv_tokens if setting == "auto" else int(setting)
 
     def open_samples(self) -> int:
         """Unfinished samples held (running, queued or parked)."""

@@ -589,6 +589,8 @@ class _Step(Generic[P]):
             "partial/server_load/calls_max": float(self.router.peak_calls),
             # Calls per server allowed at the step end (``partial.max_calls_per_server``, lowered by the KV cache).
             "partial/server_load/calls_cap": float(self.router.max_calls_per_server),
+            # The KV cache per server that cap divides (``partial.kv_tokens_per_server``); 0: not capped by the cache.
+            "partial/server_load/kv_tokens": float(self.pool.kv_tokens() or 0),
             # Servers sitting this step out: their abort outlived the last step end and they had not reopened yet.
             "partial/server_load/closed": float(len(self.backend.servers) - len(self.router.servers)),
         }

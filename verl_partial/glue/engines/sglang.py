@@ -40,10 +40,10 @@ What SGLang 0.5.12 behind verl's ``sglang_rollout/async_sglang_server.py`` lacks
 Callers that use neither ``reject_request`` nor ``take_back_requests`` see verl's behaviour unchanged, except that a
 cancelled call now stops its request (a pure fix). The patch needs of the class only what verl's has:
 ``generate(prompt_ids, sampling_params, request_id, ...)``, ``abort_all_requests()``, ``resume_generation()``,
-``tokenizer_manager`` (``abort_request``, ``rid_to_state`` and its states' ``finished``, ``event`` and dispatch
-mark), ``node_rank`` and ``global_steps`` (``sleep`` and ``release_kv_cache`` are wrapped where the class has them);
-it is applied to verl's class after import (``patches.apply``) and to the CPU test double (``cpu_backend.rollout``)
-the same way.
+``tokenizer_manager`` (``abort_request``, ``get_internal_state``, ``rid_to_state`` and its states' ``finished``,
+``event`` and dispatch mark), ``node_rank`` and ``global_steps`` (``sleep`` and ``release_kv_cache`` are wrapped where
+the class has them); it is applied to verl's class after import (``patches.apply``) and to the CPU test double
+(``cpu_backend.rollout``) the same way.
 """
 
 from __future__ import annotations
@@ -129,8 +129,24 @@ def apply_sglang_server_fix(server_cls: type) -> type:
         it ends, so this server cannot tell a long decode from a stall; its stalls are judged by answers."""
         return None
 
+    async def kv_cache_tokens(self) -> int | None:
+        """Tokens of KV cache this server holds (``partial.kv_tokens_per_server=auto``): SGLang's
+        ``max_total_num_tokens``, summed over its data-parallel ranks. verl keeps no usable copy: for SGLang >= 0.5.10
+        its ``scheduler_info`` is the launch's third return value, the port arguments
+        (sglang/srt/entrypoints/engine.py@0.5.12:882 "port_args,"). So the schedulers are asked, one answer per rank
+        (tokenizer_control_mixin.py@0.5.12:791 "return [res.internal_state for res in responses]";
+        tokenizer_control_mixin.py@0.5.23:974 "return [res.internal_state for res in responses]"), each naming its
+        capacity (scheduler.py@0.5.12:3477 "int(self.max_total_num_tokens)";
+        scheduler_components/internal_state.py@0.5.23:83 "token_capacity=scheduler.max_total_num_tokens")."""
+        if getattr(self, "node_rank", 0) != 0:
+            return None
+        states = await self.tokenizer_manager.get_internal_state()
+        capacities = [state["memory_usage"]["token_capacity"] for state in states]
+        return None if not capacities or None in capacities else sum(int(tokens) for tokens in capacities)
+
     server_cls.take_back_requests = take_back_requests
     server_cls.progress_of_requests = progress_of_requests
+    server_cls.kv_cache_tokens = kv_cache_tokens
     for name in _QUIESCING:
         if hasattr(server_cls, name):
             setattr(server_cls, name, _after_cancelled_settle(getattr(server_cls, name)))

@@ -169,7 +169,8 @@ VLLM_SERVER_MODULE = "verl.workers.rollout.vllm_rollout.vllm_async_server"
 
 
 def _add_vllm_take_back(module: ModuleType) -> None:
-    """Give verl's ``vLLMHttpServer`` a per-request abort that works on vLLM 0.24 (issue 19, failures 1-2).
+    """Give verl's ``vLLMHttpServer`` a per-request abort that works on vLLM 0.24 (issue 19, failures 1-2), and the
+    progress and KV-cache reads the scheduler makes.
 
     verl 0.9.1's own ``abort_request(request_id)`` looks the id up in ``engine.output_processor.request_states``,
     which vLLM 0.24 keys by INTERNAL ids (the caller's id plus a random suffix, ``InputProcessor.assign_request_id``),
@@ -202,5 +203,17 @@ def _add_vllm_take_back(module: ModuleType) -> None:
         states = self.engine.output_processor.request_states.values()
         return {state.external_req_id: state.detokenizer.num_output_tokens() for state in states}
 
+    async def kv_cache_tokens(self) -> int | None:
+        """Tokens of KV cache this replica holds (``partial.kv_tokens_per_server=auto``): vLLM 0.24 hands each engine
+        core's "GPU KV cache size: N tokens" back to the frontend as ``cache_config.kv_cache_size_tokens``, per
+        engine and not summed over data-parallel engines
+        (vllm/v1/engine/core_client.py@0.24.0:735 "do not sum across DP"), so the replica holds it
+        ``data_parallel_size`` times. None where the engine did not say."""
+        if self.node_rank != 0:
+            return None
+        tokens = getattr(self.engine.vllm_config.cache_config, "kv_cache_size_tokens", None)
+        return None if tokens is None else int(tokens) * int(self.config.data_parallel_size or 1)
+
     server_cls.take_back_requests = take_back_requests
     server_cls.progress_of_requests = progress_of_requests
+    server_cls.kv_cache_tokens = kv_cache_tokens

@@ -33,7 +33,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopManager
 
 from verl_partial.config.job import group_filter_of
 from verl_partial.config.partial import STATE_FILE, PartialConfig
-from verl_partial.core.engines.adapter import check_take_back, engine_adapter
+from verl_partial.core.engines.adapter import check_take_back, engine_adapter, read_kv_cache_tokens
 from verl_partial.core.partial.group_filter import SampleScore
 from verl_partial.core.partial.length_batching import LengthBatcher
 from verl_partial.core.partial.on_policy import length_estimator
@@ -198,7 +198,7 @@ class PartialAgentLoopManager(AgentLoopManager):
     def segment_backend(self, server_manager: Any) -> WorkerSegmentBackend:
         """The backend over this manager's workers and ``server_manager``'s servers (verl's LLMServerManager)."""
         if self._backend is None:
-            servers = dict(zip(server_manager.server_addresses, server_manager.server_handles, strict=True))
+            servers = server_handles(server_manager)
             ray.get([worker.set_servers.remote(servers) for worker in self.agent_loop_workers])
             check_take_back(servers, ray.get)  # fails here, before the first call, not mid-step
             self._backend = WorkerSegmentBackend(
@@ -296,6 +296,11 @@ def _chunk_bounds(keys: np.ndarray, chunks: int) -> list[tuple[int, int]]:
     return [(starts[part[0]], ends[part[-1]]) for part in groups if len(part)]
 
 
+def server_handles(server_manager: Any) -> dict[str, Any]:
+    """verl's LLMServerManager's servers by address (one per replica: each replica's first server)."""
+    return dict(zip(server_manager.server_addresses, server_manager.server_handles, strict=True))
+
+
 def engine_slots(rollout_config: Any, servers: int) -> int:
     """Samples the servers can run at once (``partial.fill_engine``): each server (a verl replica) runs
     ``data_parallel_size`` engines of ``max_num_seqs`` slots; vLLM and SGLang both take ``rollout.max_num_seqs``
@@ -336,6 +341,7 @@ class PartialRolloutLoader:
             config, self.stream, batch_groups, self._expected_length
         )
         self.steps_in_epoch = 0
+        self.kv_cache_read = False
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -370,6 +376,15 @@ class PartialRolloutLoader:
         step = trainer.global_steps
         backend = manager.segment_backend(trainer.llm_server_manager)
         self.pool.engine_slots = engine_slots(manager.rollout_config, len(trainer.llm_server_manager.server_handles))
+        if self.config.kv_tokens_per_server == "auto" and not self.kv_cache_read:
+            self.pool.server_kv_tokens = read_kv_cache_tokens(server_handles(trainer.llm_server_manager), ray.get)
+            self.kv_cache_read = True
+            logger.info(
+                "partial.kv_tokens_per_server=auto: %s",
+                "no engine reports its KV cache; calls are not capped by it"
+                if self.pool.server_kv_tokens is None
+                else f"{self.pool.server_kv_tokens:,} tokens of KV cache per server, as the engines report",
+            )
         backend.begin_step(self.pool)
         if self.batcher is not None:
             self.batcher.begin_step(step)
