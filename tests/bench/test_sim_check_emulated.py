@@ -23,9 +23,9 @@ def test_each_mode_is_the_config_the_trainer_ran(check: ModuleType) -> None:
     assert modes["default_by_groups"] == dataclasses.replace(PRESETS["default"], fill_engine=False, **same)
     assert modes["default_extra"] == dataclasses.replace(PRESETS["default"], refill=False, extra_groups=16, **same)
     assert modes["default_kv_off"] == dataclasses.replace(PRESETS["default"], kv_tokens_per_server="off", **same)
-    # verl's sync: a step waits for its slowest sample, nothing admitted ahead or parked
+    # verl's sync: a step waits for its slowest sample, nothing admitted ahead or parked, every request sent at once
     sync = modes["v0_sync"]
-    assert (sync.extra_groups, sync.refill, sync.fill_engine) == (0, False, False)
+    assert (sync.extra_groups, sync.refill, sync.fill_engine, sync.kv_tokens_per_server) == (0, False, False, "off")
 
 
 def test_the_busy_share_reads_every_step_of_usable_runs_that_fit(check: ModuleType) -> None:

@@ -34,14 +34,15 @@ def mode_configs(batch: int) -> dict[str, PartialConfig]:
 
     ``default``, ``restart``, ``kimi``, ``on_policy``: the presets of hydra_configs/partial/, as
     ``verl_partial.config.partial.PRESETS`` defines them. ``sync``: ``restart`` without over-provisioning,
-    so a step waits for its slowest sample and nothing is parked -- verl's synchronous rollout. ``keep``:
+    so a step waits for its slowest sample and nothing is parked, and every request sent at once whatever the servers'
+    KV cache holds -- verl's synchronous rollout. ``keep``:
     ``restart`` with ``staleness_policy=keep``. ``on_policy_over``: ``on_policy`` with over-provisioning
     (unfinished samples are restarted on the new weights, their tokens thrown away). ``default_extra``: ``default``'s
     bound with a batch of extra groups admitted at each step start instead of refill (v1's one batch ahead).
     """
     presets = {name: dataclasses.replace(config, **_NO_STALLS) for name, config in PRESETS.items()}
     return {
-        "sync": dataclasses.replace(presets["restart"], extra_groups=0),
+        "sync": dataclasses.replace(presets["restart"], extra_groups=0, kv_tokens_per_server="off"),
         **presets,
         "keep": dataclasses.replace(presets["restart"], staleness_policy="keep"),
         "on_policy_over": dataclasses.replace(presets["on_policy"], extra_groups=batch // 4),
