@@ -296,9 +296,8 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="sim-fill-engine",
-        claim="`+partial=default` (calls capped by the KV cache the servers report) against the same preset admitting "
-        "by finished groups (`fill_engine=false`), against sync, and with the cap off (`kv_tokens_per_server=off`): "
-        "the real scheduler over the simulator's vLLM "
+        claim="`+partial=default` against the same preset admitting by finished groups (`fill_engine=false`), against "
+        "sync, and without its KV-cache cap (`kv_tokens_per_server=off`): the real scheduler over the simulator's vLLM "
         "servers, rollout phase per trained token, seeds 0-2; 7B on H100s (256 slots; lengths median 1,000, p99/p50 "
         "8) that never fill (32 x 8 samples, 2 servers) and that queue (64 x 8, 1 server); 32B on H20s (256 slots, "
         "33,569 tokens of KV cache each; median 2,048, cap 16,384; 64 x 16 on 8 servers), where vLLM preempts",
