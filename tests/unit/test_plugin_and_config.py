@@ -239,8 +239,9 @@ def test_simulator_modes_are_the_presets_under_their_names():
     modes = mode_configs(batch=16)
     for name, preset in partial_module.PRESETS.items():
         assert modes[name] == dataclasses.replace(preset, request_timeout_s=modes[name].request_timeout_s)
-    # sync is restart without extra groups: a step waits for its slowest sample, nothing is parked or carried.
-    assert modes["sync"] == dataclasses.replace(modes["restart"], extra_groups=0)
+    # sync is restart without extra groups: a step waits for its slowest sample, nothing is parked or carried, and
+    # every request goes out at once, whatever the servers' KV cache holds.
+    assert modes["sync"] == dataclasses.replace(modes["restart"], extra_groups=0, kv_tokens_per_server="off")
     assert set(RENAMED_MODES.values()) <= set(modes) and not set(RENAMED_MODES) & set(modes)
 
 
