@@ -64,6 +64,9 @@ def _queue_overrides(assets: DemoAssets, output_dir: Path, backend: str) -> list
     ]
     if backend == "cpu_vllm":
         overrides.append(f"+actor_rollout_ref.rollout.engine_kwargs.vllm.num_gpu_blocks_override={KV_BLOCKS}")
+    # The condition under test is requests queued in the engine: the default's cap at the KV cache vLLM reports would
+    # keep them in the pool instead (that cap: test_the_default_caps_calls_at_the_kv_cache_vllm_reports).
+    overrides.append("partial.kv_tokens_per_server=off")
     return overrides
 
 
@@ -114,6 +117,33 @@ def test_requests_queued_in_the_engine_do_not_hold_the_step_end(queued_run):
     for step in range(2, QUEUE_STEPS + 1):
         parked_before = run.metric(step - 1, "partial/parked_samples")
         assert run.metric(step, "partial/resumed_fraction") * samples_per_step >= parked_before, step
+
+
+@pytest.mark.vllm
+def test_the_default_caps_calls_at_the_kv_cache_vllm_reports(demo_assets, tmp_path):
+    """``partial.kv_tokens_per_server=auto`` on verl's own vLLM rollout: vLLM given 4 blocks of 128 tokens reports
+    the KV cache size it logs, the driver reads it from verl's server, and each server then gets at most that many
+    tokens over the expected context of a sample (between the longest context and one token past the shortest
+    prompt): far fewer calls than the 16+ the same run sends with the cap off (the queued run above). Whole groups,
+    each once."""
+    assets = dataclasses.replace(demo_assets, max_response_length=QUEUE_RESPONSE_LENGTH)
+    overrides = [o for o in _queue_overrides(assets, tmp_path, "cpu_vllm") if "kv_tokens_per_server" not in o]
+    run = run_trainer(assets, tmp_path, steps=2, partial="default", backend="cpu_vllm", extra=overrides)
+    run.assert_ok()
+    # vLLM's "GPU KV cache size": requests of max_model_len the blocks hold at once, times max_model_len
+    # (kv_cache_utils.py get_kv_cache_capacity): 4 blocks of 128 hold two requests of 176 tokens, so 352, not 512.
+    max_model_len = assets.max_prompt_length + QUEUE_RESPONSE_LENGTH
+    kv_tokens = KV_BLOCKS // -(-max_model_len // 128) * max_model_len
+    assert {run.metric(step, "partial/server_load/kv_tokens") for step in (1, 2)} == {kv_tokens}
+    samples = [s for step in (1, 2) for s in torch.load(tmp_path / "dump" / f"step_{step}.pt")["samples"]]
+    shortest = 1 + min(len(sample["prompt_ids"]) for sample in samples)
+    longest = max_model_len
+    cap = run.metric(2, "partial/server_load/calls_cap")
+    assert max(1, kv_tokens // longest) <= cap <= kv_tokens // shortest
+    assert run.metric(2, "partial/server_load/calls_max") < 4 * MAX_NUM_SEQS
+    trained, _, gone = ledger_accounting(ledger(tmp_path / "ledger.jsonl"))
+    assert len(trained) == len(set(trained)) == 2 * GROUPS and not gone
+    print(f"cpu_vllm: {kv_tokens} tokens of KV cache read; calls per server capped at {cap:.0f}")
 
 
 def test_queued_steps_train_exactly_what_was_generated(queued_run, tmp_path):
