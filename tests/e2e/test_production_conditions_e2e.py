@@ -157,6 +157,8 @@ def test_queued_steps_train_exactly_what_was_generated(queued_run, tmp_path):
         assert len(samples) == GROUPS * N and len({s["key"] for s in samples}) == GROUPS
         for sample in samples:
             assert sample["trained_responses"] == sample["token_ids"]
+            # rollout.ignore_eos: the whole response length, through any EOS (the worker once cut at the first one)
+            assert len(sample["token_ids"]) == QUEUE_RESPONSE_LENGTH
             assert len(sample["log_probs"]) == len(sample["versions"]) == len(sample["token_ids"])
             assert max(sample["versions"], default=step - 1) <= step - 1
             assert step - 1 - min(sample["versions"], default=step - 1) <= 1  # staleness <= 1
@@ -226,6 +228,7 @@ def _long_run(backend: str, demo_assets: DemoAssets, tmp_path: Path, n: int, ext
     for step in steps:
         for sample in torch.load(tmp_path / "dump" / f"step_{step}.pt")["samples"]:
             assert sample["trained_responses"] == sample["token_ids"]
+            assert len(sample["token_ids"]) == demo_assets.max_response_length  # rollout.ignore_eos
     trained_keys, _, gone = ledger_accounting(ledger(tmp_path / "ledger.jsonl"))
     assert len(trained_keys) == len(set(trained_keys)) == LONG_STEPS and not gone
     return run

@@ -20,7 +20,12 @@ from verl.workers.rollout.replica import TokenOutput
 from verl_partial.config.job import model_max_positions, validate_root_config
 from verl_partial.core.engines.adapter import engine_adapter
 from verl_partial.core.partial.finish import Finish, eos_id_set
-from verl_partial.glue.partial.agent_loop import PartialAgentLoopWorker, SegmentCall, check_loaded_model_len
+from verl_partial.glue.partial.agent_loop import (
+    PartialAgentLoopWorker,
+    SegmentCall,
+    answer_end_ids,
+    check_loaded_model_len,
+)
 
 EOS = 151645
 
@@ -65,6 +70,20 @@ def test_a_run_with_an_eos_inside_is_parked_cut_at_the_eos_and_finished(engine, 
     assert answer.finish is Finish.EOS
     assert answer.new_ids.tolist() == [5, EOS]
     assert answer.new_log_probs.tolist() == pytest.approx([-0.1, -0.2])
+
+
+@pytest.mark.parametrize(("engine", "reason"), [("sglang", "length"), ("vllm", "completed")])
+def test_under_ignore_eos_a_run_through_eos_is_kept_whole(engine, reason):
+    """``rollout.ignore_eos=true``: the engine decoded through the EOS on purpose, and verl's own loop trains the whole
+    run. Before the fix the worker still cut at the first EOS (answers of 4-36 tokens where 144 were decoded)."""
+    output = TokenOutput(token_ids=[5, EOS, 6, 7], log_probs=[-0.1, -0.2, -0.3, -0.4], stop_reason=reason)
+    worker = worker_for(engine, SpeculativeServer(output))
+    worker.eos_from_model = answer_end_ids(True, EOS, [EOS, 151643])
+    call = SegmentCall("g/0/0#", "s0", "g", np.zeros(0, np.int32), 4, prompt_ids=np.array([1, 2], np.int32))
+    answer = asyncio.run(worker._generate(call, {"temperature": 1.0}))
+    assert answer.finish is Finish.LENGTH
+    assert answer.new_ids.tolist() == [5, EOS, 6, 7]
+    assert answer_end_ids(False, EOS, [EOS, 151643]) == {EOS, 151643}
 
 
 # ---------------------------------------------------------------- issue 26, finding 7: the model-length check

@@ -6,6 +6,7 @@ shown on the double as verl ships it (``CpuSglangServer``: the bug) and with ver
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import importlib.abc
 import importlib.machinery
@@ -471,3 +472,25 @@ def test_verls_sglang_server_runs_over_the_double_with_the_fix(verl_sglang_serve
         await server.sleep()  # idle: the cancelled request was aborted, not left decoding
 
     run_virtual(main())
+
+
+def test_rollout_ignore_eos_reaches_sglang_only_through_the_partial_worker(verl_sglang_server, demo_assets):
+    """verl 0.9.1's SGLangHttpServer never passes ``rollout.ignore_eos`` to SGLang (its vLLM server does, by
+    setdefault): with the flag set, the countdown still stops at its EOS. The partial worker's sampling params carry
+    the flag, so the same call decodes its whole budget, as on vLLM."""
+    from verl_partial.glue.partial.agent_loop import PartialAgentLoopWorker
+
+    async def main():
+        server, _ = verl_server(verl_sglang_server, demo_assets)
+        server.config = dataclasses.replace(server.config, ignore_eos=True)
+        worker = PartialAgentLoopWorker.__new__(PartialAgentLoopWorker)
+        worker.rollout_config = server.config
+        greedy = {"max_tokens": 64, "temperature": 0.0, "logprobs": True}
+        verls = await server.generate(countdown(demo_assets), dict(greedy), "verl/")
+        ours = await server.generate(countdown(demo_assets), {**worker.sampling_params(), **greedy}, "ours/")
+        return verls, ours
+
+    verls, ours = run_virtual(main())
+    assert verls.stop_reason == "stop" and len(verls.token_ids) < 64
+    assert (ours.stop_reason, len(ours.token_ids)) == ("length", 64)
+    assert ours.token_ids[: len(verls.token_ids)] == verls.token_ids  # the same greedy answer, continued past its EOS

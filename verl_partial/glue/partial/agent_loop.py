@@ -145,6 +145,16 @@ class PromptBuilder(AgentLoopBase):
         raise TypeError("PromptBuilder only tokenises prompts; segments run in PartialAgentLoopWorker.run_segments")
 
 
+def answer_end_ids(ignore_eos: bool, *model_eos_ids: int | list[int] | None) -> frozenset[int]:
+    """The model's EOS ids at which the worker ends an answer it gets back, or none under ``rollout.ignore_eos``.
+
+    The cut at the first EOS exists for engines that return tokens past it (a speculative run). Under ignore_eos the
+    engine decodes through EOS on purpose and verl's own loop trains the whole run: cutting there would silently undo
+    the user's setting (it did, answers of 4-36 tokens where the engine had decoded the whole 144).
+    """
+    return frozenset() if ignore_eos else eos_id_set(*model_eos_ids)
+
+
 class PartialAgentLoopWorker(AgentLoopWorker):
     """verl's AgentLoopWorker plus streaming segments, cancellation and the hand-over of finished samples."""
 
@@ -153,8 +163,10 @@ class PartialAgentLoopWorker(AgentLoopWorker):
         self.engine = engine_adapter(self.rollout_config.name)
         check_loaded_model_len(self.rollout_config, self.model_config.hf_config)
         generation_config = self.model_config.generation_config
-        self.eos_from_model = eos_id_set(
-            self.tokenizer.eos_token_id, getattr(generation_config, "eos_token_id", None) if generation_config else None
+        self.eos_from_model = answer_end_ids(
+            self.rollout_config.ignore_eos,
+            self.tokenizer.eos_token_id,
+            getattr(generation_config, "eos_token_id", None) if generation_config else None,
         )
         self.servers: dict[str, Any] = {}
         self.prompts: dict[str, asyncio.Future[np.ndarray]] = {}
@@ -184,6 +196,9 @@ class PartialAgentLoopWorker(AgentLoopWorker):
             top_k=config.top_k,
             repetition_penalty=1.0,
             logprobs=config.calculate_log_probs,
+            # verl's vLLM server adds this itself (setdefault, the same value); its SGLang server never does, so
+            # without it ``rollout.ignore_eos`` would reach vLLM but not SGLang.
+            ignore_eos=config.ignore_eos,
         )
 
     # ---------------------------------------------------------------- segments
