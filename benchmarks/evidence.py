@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -153,6 +154,25 @@ def _peer_table_and_costs(data: Mapping[str, Any]) -> str:
     return _peer_table(data) + "\n\n" + fixed_costs(dict(data), _peer_engine(data), compact=True)
 
 
+def _peer_kv(data: Mapping[str, Any]) -> str:
+    """Where the KV cache binds: ``default`` (its cap read from the engine) and the same preset with the cap off,
+    against v0 sync per trained token, paired by round, with slot occupancy and the engine's preemptions per run."""
+    from benchmarks.bench_peer import by_mode, kept_runs, speedup
+
+    engine = _peer_engine(data)
+    runs = by_mode(dict(data), engine)
+    preemptions: dict[str, list[float]] = {}
+    for run in kept_runs(dict(data), engine):
+        preemptions.setdefault(run["mode"], []).append(sum(stats["preemptions"] for stats in run["engine_stats"]))
+    parts = []
+    for name in ("default", "default_kv_off"):
+        parts.append(f"`{name}` vs v0 sync: rollout phase {speedup(runs['v0_sync'], runs[name], 'rollout')}, "
+                     f"whole step {speedup(runs['v0_sync'], runs[name], 'step')}")  # fmt: skip
+    occupancy = ", ".join(f"{name} {statistics.fmean(r.occupancy for r in runs[name]):.2f}" for name in runs)
+    preempted = ", ".join(f"{name} {_span(values, ',.0f')}" for name, values in preemptions.items())
+    return "; ".join(parts) + f"; slot occupancy {occupancy}; preemptions per run {preempted}"
+
+
 def _peer_tail(data: Mapping[str, Any]) -> str:
     """The length-aware presets against v0 sync, per trained token, and what their windows do to trained lengths."""
     from benchmarks.bench_peer import PRESETS_WINDOW, by_mode, speedup, spread, window_length_ratios
@@ -227,8 +247,8 @@ FIGURES: tuple[Figure, ...] = (
         id="gpu-h100-rollout",
         claim="our PyTorch engine (not vLLM), one H100, random 1.1B Llama in bf16, 256 slots, 128 or 256 requests a "
         "step, imposed answers (median 64, p99/p50 8, cap 512), modes interleaved by step, 2 runs of 8 steps (one "
-        "at 256 cut to 4): rollout phase per trained token against sync, and slot occupancy (against full "
-        "256-request steps, 18-32 ms), min-max over runs; `tail`'s history is one earlier "
+        "at 256 cut to 4): rollout phase per trained token against sync, and slot occupancy (of full "
+        "256-request steps), min-max over runs; `tail`'s history is one earlier "
         "epoch (a prompt keeps half its log-length variance), not an oracle",
         source="gpu_engine_curve_h100.jsonl",
         label="measured",
@@ -249,7 +269,7 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="lc-tail-on-policy-reward",
-        claim="`tail_on_policy` vs sync, demo task, 64 steps x 3 seeds (separate run): final training reward",
+        claim="`tail_on_policy` vs sync, demo task, 64 steps x 3 seeds: final training reward",
         source="learning_curves_tail_on_policy.json",
         label="measured",
         value=lambda data: _final_rewards(data, "sync", "tail_on_policy"),
@@ -295,12 +315,21 @@ FIGURES: tuple[Figure, ...] = (
         value=_peer_fill,
     ),
     Figure(
+        id="peer-emulated-kv",
+        claim="where the KV cache binds, through verl's trainer: our engine emulating 32B on one H20 (64 slots, "
+        "33,569 KV tokens), 16 x 4 samples, answers median 1,024, cap 4,096; `default` reads that size (rounds 0-1 "
+        "were given it), `default_kv_off` has no cap",
+        source="peer_emulated_production_kv.json",
+        label="emulated",
+        value=_peer_kv,
+    ),
+    Figure(
         id="sim-fill-engine",
-        claim="`+partial=default` against the same preset admitting by finished groups (`fill_engine=false`), against "
-        "sync, and without its KV-cache cap (`kv_tokens_per_server=off`): the real scheduler over the simulator's vLLM "
+        claim="`+partial=default` against itself with `fill_engine=false` (admission by finished groups) and with "
+        "`kv_tokens_per_server=off`, and against sync: the real scheduler over the simulator's vLLM "
         "servers, rollout phase per trained token, seeds 0-2; 7B on H100s (256 slots; lengths median 1,000, p99/p50 "
         "8) that never fill (32 x 8 samples, 2 servers) and that queue (64 x 8, 1 server); 32B on H20s (256 slots, "
-        "33,569 tokens of KV cache each; median 2,048, cap 16,384; 64 x 16 on 8 servers), where vLLM preempts",
+        "33,569 KV tokens each; median 2,048, cap 16,384; 64 x 16 on 8 servers), where vLLM preempts",
         source="sim_fill_engine.json",
         label="simulated",
         value=_sim_fill,
@@ -308,8 +337,8 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         id="sim-vs-emulated",
         claim="the simulator (parameters frozen, the emulated GPU's step-time model, the peer workload, seeds 0-4) "
-        "beside the emulated engine, rollout phase per trained token: a check of the scheduler model and of what "
-        "the simulator leaves out, not of the GPU curve (they share it); the second table locates the miss",
+        "beside the emulated engine, rollout phase per trained token: it checks the scheduler model and what "
+        "the simulator leaves out, not the GPU curve (both share it); the second table locates the miss",
         source="sim_check_emulated.json",
         label="simulated",
         value=_sim_check,
@@ -335,7 +364,7 @@ FIGURES: tuple[Figure, ...] = (
     ),
 )
 
-_UNEQUAL_HARNESS = "unequal harness: modes trained on 1 or 2 torch threads of 2 cores (the Ray setup hook in some only)"
+_UNEQUAL_HARNESS = "unequal harness: some modes trained on 1 torch thread of 2 (the Ray setup hook in others only)"
 
 _EARLIER_ADMISSION = "measured before `partial.fill_engine`, not re-measured"
 
@@ -350,7 +379,7 @@ WITHDRAWN: tuple[Withdrawn, ...] = (
     ),
     Withdrawn(
         figure="`default` vs sync through verl's trainer on vLLM's CPU build: rollout phase 1.09-1.38x per trained "
-        "token, and every other whole-step or rollout speed-up of these runs",
+        "token, and every other speed-up of these runs",
         sources=("vllm_trainer*.json",),
         script="benchmarks/bench_vllm_trainer.py",
         why=_UNEQUAL_HARNESS,
@@ -363,16 +392,10 @@ WITHDRAWN: tuple[Withdrawn, ...] = (
         why="before `partial.fill_engine`; re-measured on an H100",
     ),
     Withdrawn(
-        figure="`default` vs sync on the demo task, 64 steps x 3 seeds: whole step per trained token 0.96x, final "
-        "reward 0.377 against sync's 0.363; `tail` vs sync: final reward 0.644 against 0.643",
-        sources=("learning_curves.json", "learning_curves_tail.json"),
-        script="benchmarks/learning_curves.py",
-        why=_EARLIER_ADMISSION,
-    ),
-    Withdrawn(
-        figure="`default` vs sync with the policy frozen: trained lengths' Kolmogorov-Smirnov distance 0.008 (0.015 "
-        "with the model pretrained 700 steps)",
-        sources=("length_bias_frozen.json", "length_bias_frozen_700.json"),
+        figure="`default` vs sync on the demo task, 64 steps x 3 seeds: whole step 0.96x per trained token, final "
+        "reward 0.377 against 0.363 (`tail`: 0.644 against 0.643); policy frozen: trained lengths' Kolmogorov-Smirnov "
+        "distance 0.008 (0.015 pretrained 700 steps)",
+        sources=("learning_curves.json", "learning_curves_tail.json", "length_bias_frozen*.json"),
         script="benchmarks/learning_curves.py",
         why=_EARLIER_ADMISSION,
     ),
@@ -440,14 +463,22 @@ def render() -> str:
     out = [
         "# Evidence",
         "",
-        "Current figures, each once, computed from `benchmarks/results/` by `python -m benchmarks.evidence`, which",
-        "writes this page (do not edit it by hand). Date, command and commit come from the results file itself;",
-        '"not recorded" means the file does not say which commit ran. Link to a figure as `evidence.md#<id>`.',
+        "Current figures, each once, written from `benchmarks/results/` by `python -m benchmarks.evidence` (do not",
+        "edit by hand). Date, command and commit come from each results file. Link to a figure as `evidence.md#<id>`.",
         "",
         "## Figures",
         "",
     ]
+    previous: Figure | None = None
     for figure, value, origin in rows:
+        if previous is not None and previous.source == figure.source:  # the same runs: said once, linked
+            where = [f"- source, commit and command: as [`{previous.id}`](#{previous.id})"]
+        else:
+            where = [
+                f"- source: `benchmarks/results/{figure.source}`, commit: {origin.commit or 'not recorded'}",
+                f"- command: `{origin.command}`",
+            ]
+            previous = figure
         out += [
             f"### {figure.id}",
             "",
@@ -455,8 +486,7 @@ def render() -> str:
             "",
             *([figure.table(_load(figure.source)), ""] if figure.table is not None else []),
             *([f"![{figure.id}]({figure.image})", ""] if figure.image is not None else []),
-            f"- source: `benchmarks/results/{figure.source}`, commit: {origin.commit or 'not recorded'}",
-            f"- command: `{origin.command}`",
+            *where,
             "",
         ]
     out += ["## Withdrawn", "", "| figure | results | why |", "| --- | --- | --- |"]
@@ -468,7 +498,7 @@ def render() -> str:
         "",
         "## Results without provenance",
         "",
-        "These files record no date or no command, so no figure is taken from them: "
+        "No figure is taken from these files, which record no date or no command: "
         + ", ".join(f"`{name}`" for name in without)
         + ".",
     ]

@@ -89,15 +89,15 @@ def _ratio(values: list[float]) -> str:
 
 
 def summary(rows: list[dict[str, Any]]) -> str:
-    """Per shape, ``default`` over admission by finished groups and over sync; and where the cache binds (a mode
-    preempted), ``default`` with the cache cap off over sync."""
+    """Per shape, ``default`` over itself with ``fill_engine`` off (admission by finished groups) and over sync; and
+    where the cache binds (a mode preempted), ``default`` with the cache cap off over sync."""
     parts = []
     for shape in dict.fromkeys(row["shape"] for row in rows):
-        text = (f"{shape}: {_ratio(speedups(rows, shape, 'default_by_groups', 'default'))} over admission by finished "
-                f"groups, {_ratio(speedups(rows, shape, 'sync', 'default'))} over sync")  # fmt: skip
+        text = (f"{shape}: {_ratio(speedups(rows, shape, 'default_by_groups', 'default'))} over fill_engine off, "
+                f"{_ratio(speedups(rows, shape, 'sync', 'default'))} over sync")  # fmt: skip
         preempted = any(sum(row.get("preemptions", [0])) for row in rows if row["shape"] == shape)
         if preempted and any(row["mode"] == "default_kv_off" for row in rows if row["shape"] == shape):
-            text += f", not capped by the KV cache {_ratio(speedups(rows, shape, 'sync', 'default_kv_off'))}"
+            text += f", KV cap off {_ratio(speedups(rows, shape, 'sync', 'default_kv_off'))}"
         parts.append(text)
     return "; ".join(parts)
 

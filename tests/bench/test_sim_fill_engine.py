@@ -22,5 +22,5 @@ def test_the_summary_names_the_kv_figure_where_the_cache_binds(bench_module: Cal
     text = fill.summary(_rows("roomy", 0) + _rows("KV-bound", 5))
     roomy, bound = text.split("; ")
     # seed by seed: sync 2/1 and 3/2, by groups 1/1 and 3/2, not capped by the cache 2/1 and 3/1.5
-    assert roomy == "roomy: 1.25x (1.00-1.50) over admission by finished groups, 1.75x (1.50-2.00) over sync"
-    assert bound.endswith("over sync, not capped by the KV cache 2.00x (2.00-2.00)")
+    assert roomy == "roomy: 1.25x (1.00-1.50) over fill_engine off, 1.75x (1.50-2.00) over sync"
+    assert bound.endswith("over sync, KV cap off 2.00x (2.00-2.00)")
