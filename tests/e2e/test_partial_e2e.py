@@ -135,6 +135,8 @@ def test_trainer_logs_partial_and_lag_split_metrics(straight_run):
         # The per-token version tensor reached training: verl's correction metrics, split by lag.
         assert any(key.startswith("rollout_corr/lag_0/") for key in metrics)
         assert straight_run.metric(step, "timing_s/gen") > 0
+        # The hand-over is timed and sits inside the rollout phase, as verl's gen timer wraps generate_sequences.
+        assert 0 < straight_run.metric(step, "partial/hand_over_s") < straight_run.metric(step, "timing_s/gen")
     assert any(straight_run.metric(s, "partial/resumed_fraction") > 0 for s in range(2, STEPS + 1))
     assert any(key.startswith("rollout_corr/lag_1/") for s in range(2, STEPS + 1) for key in straight_run.steps[s])
     # Invariant 7: validation ran (verl's own generation path) and in-flight groups are reported at the end.

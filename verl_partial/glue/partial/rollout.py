@@ -23,6 +23,7 @@ import functools
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -244,6 +245,7 @@ class PartialAgentLoopManager(AgentLoopManager):
         """verl's rows for the prepared groups, built by the workers in worker-sized chunks of whole groups."""
         if self._prepared is None:
             raise RuntimeError("partial rollout has no prepared groups for this training step")
+        started = time.perf_counter()
         prepared, self._prepared = self._prepared, None
         order, next_sample = [], dict.fromkeys(prepared, 0)
         for key in keys:
@@ -272,6 +274,9 @@ class PartialAgentLoopManager(AgentLoopManager):
         ]
         output, row_metrics = concat_chunks(ray.get(chunks))
         attach_versions(output, samples, self.rollout_config.response_length)
+        # Inside verl's timing_s/gen while every engine is idle (the step's calls were taken back): a fixed cost of
+        # each step's rollout phase that v1, building rows as trajectories finish, does not pay at its end.
+        self._prepared_meta["metrics"]["partial/hand_over_s"] = time.perf_counter() - started
         set_hand_over_meta(output, self._performance_metrics(row_metrics, output), self._prepared_meta)
         if self._on_hand_over is not None:
             self._on_hand_over(order, output)
