@@ -8,6 +8,8 @@ checked for invariant 6.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -289,3 +291,46 @@ def check_whole_groups_each_once(run: Run, dump_dir: Path, steps: int) -> None:
         assert len(set(keys)) == GROUPS and all(keys.count(key) == N for key in set(keys))
         trained += sorted(set(keys))
     assert len(trained) == len(set(trained))
+
+
+# A reward that takes SLOW_REWARD_S a call (a sandbox or a judge) and logs each call: prompt, score.
+SLOW_REWARD_S = 1.0
+SLOW_REWARD = """
+import json
+import time
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    time.sleep({delay})
+    score = len(solution_str) % 5 / 4.0
+    with open({log!r}, "a") as log:
+        log.write(json.dumps({{"prompt": (extra_info or {{}}).get("index"), "score": score}}) + "\\n")
+    return score
+"""
+
+
+def test_rewards_are_computed_while_the_step_generates_once_each(demo_assets, tmp_path):
+    """verl's own loop scores each answer as it ends; before this, partial rollout scored every answer of the step
+    in the hand-over, while every engine idled. Now each finished group is scored during the step and the
+    hand-over reuses the rewards: a reward of SLOW_REWARD_S a call leaves the hand-over shorter than one call, each
+    trained answer is scored exactly once, and the trained rewards are the logged ones."""
+    log = tmp_path / "rewards.jsonl"
+    reward = tmp_path / "slow_reward.py"
+    reward.write_text(SLOW_REWARD.format(delay=SLOW_REWARD_S, log=str(log)))
+    assets = dataclasses.replace(demo_assets, reward_fn_path=reward, reward_fn_name="compute_score")
+    steps = 3
+    run = run_trainer(
+        assets,
+        tmp_path,
+        steps=steps,
+        partial="default",
+        extra=[f"partial.dump_dir={tmp_path / 'dump'}", "trainer.test_freq=0", "trainer.val_before_train=false"],
+    )
+    run.assert_ok()
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    for step in range(1, steps + 1):
+        assert run.metric(step, "partial/hand_over_s") < SLOW_REWARD_S, step
+        prompts = {sample["prompt_id"] for sample in torch.load(tmp_path / "dump" / f"step_{step}.pt")["samples"]}
+        scores = [call["score"] for call in calls if call["prompt"] in prompts]
+        assert len(scores) == GROUPS * N, (step, len(scores))  # each trained answer scored once, never again
+        assert abs(run.metric(step, "critic/score/mean") - sum(scores) / len(scores)) < 1e-6, step

@@ -96,6 +96,51 @@ def test_filter_holds_the_invariants_over_random_configs(config: PartialConfig) 
     check_ledger(run, 2, config.extra_groups)
 
 
+class TokenScorer:
+    """Rewards computed from each sample's tokens as they are when scored (its length), so a reward kept from
+    before a sample changed would show; counts how often each group was scored."""
+
+    def __init__(self) -> None:
+        self.scored: list[str] = []
+
+    async def score(self, groups: list[GroupState]) -> list[list[SampleScore]]:
+        await asyncio.sleep(SCORE_S)
+        self.scored += [group.key for group in groups]
+        return [[SampleScore(float(len(sample.token_ids)), {}) for sample in group.samples] for group in groups]
+
+
+@pytest.mark.parametrize("policy", ["wait", "restart", "keep"])
+@pytest.mark.parametrize("restore", [False, True])
+def test_without_a_filter_rewards_are_computed_while_generating_and_kept_for_the_hand_over(
+    policy: str, restore: bool
+) -> None:
+    """With a scorer and no filter (the glue's default when verl has reward loop workers), every trained group
+    arrives with one reward per sample, computed from its final tokens while the step generated; nothing is
+    filtered, and under ``wait`` (no restart) each group is scored exactly once."""
+    config = PartialConfig(extra_groups=0 if policy == "wait" else 2, max_staleness=1, staleness_policy=policy)
+    scorer = TokenScorer()
+    run = simulate(
+        config,
+        n=4,
+        batch=3,
+        steps=6,
+        response_length=24,
+        seed=11,
+        scorer=scorer,
+        restore_at=frozenset({3, 5}) if restore else frozenset(),
+    )
+    check_groups(run.trained, config, 4, 3, 24, 11)
+    check_ledger(run, 3, config.extra_groups)
+    for groups in run.trained:
+        for group in groups:
+            assert group.scores == [SampleScore(float(len(sample.token_ids)), {}) for sample in group.samples]
+    trained = [group.key for groups in run.trained for group in groups]
+    assert set(trained) <= set(scorer.scored)
+    if policy == "wait":
+        assert len(scorer.scored) == len(set(scorer.scored))
+    assert not any(event == "filtered" for event, _ in run.pool.events)
+
+
 def test_max_num_gen_batches_exhausted_raises_naming_the_key() -> None:
     config = PartialConfig(extra_groups=2, staleness_policy="restart")
     with pytest.raises(RuntimeError, match=r"algorithm\.filter_groups\.max_num_gen_batches=2"):
@@ -146,11 +191,11 @@ def test_judged_state_survives_a_checkpoint() -> None:
             sample.token_ids = np.arange(4, dtype=np.int32)
             sample.finished = True
         pool._sort_finished()
-    assert not pool.ready_groups() and len(pool.unjudged_groups()) == 2
+    assert not pool.ready_groups() and len(pool.awaiting_scores()) == 2
     assert pool.judge(0, [SampleScore(0.0), SampleScore(1.0)])
     restored: RolloutPool = RolloutPool(PartialConfig(extra_groups=1, staleness_policy="restart"), **shape)
     restored.load_state_dict(pool.state_dict())
     assert [group.key for group in restored.ready_groups()] == ["a"]
-    assert [group.key for group in restored.unjudged_groups()] == ["b"]
+    assert [group.key for group in restored.awaiting_scores()] == ["b"]
     assert not restored.judge(1, [SampleScore(1.0), SampleScore(1.0)])
     assert restored.counters.filtered_groups == 1 and 1 not in restored.groups

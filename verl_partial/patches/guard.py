@@ -48,9 +48,13 @@ GLUE_PRIVATE_METHODS: dict[str, tuple[str, ...]] = {
 }
 
 
-# Attributes verl's ToolAgentLoop.run sets on its AgentData and its tool-turn methods read; the glue sets them alike.
+# Attributes set by the verl functions named: ToolAgentLoop.run's on its AgentData, which its tool-turn methods read
+# (the glue sets them alike), and the reward loop workers the manager and each worker hold (the glue scores finished
+# groups through them while a step generates).
 GLUE_PRIVATE_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "verl.experimental.agent_loop.tool_agent_loop:ToolAgentLoop.run": ("_active_tools", "_active_tool_schemas"),
+    "verl.experimental.agent_loop.agent_loop:AgentLoopManager.__init__": ("reward_loop_worker_handles",),
+    "verl.experimental.agent_loop.agent_loop:AgentLoopWorker.__init__": ("reward_loop_worker_handles",),
 }
 
 

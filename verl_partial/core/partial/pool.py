@@ -134,8 +134,9 @@ class GroupState(Generic[P]):
     prompt_ids: np.ndarray | None = None
     # The step in which the group was admitted (``partial/group_wait_steps``).
     admitted_step: int = 0
-    # With a group filter (``algorithm.filter_groups``): each sample's reward once the finished group was judged and
-    # passed (a group that fails leaves the pool); the hand-over reuses it. Cleared when a sample restarts.
+    # Each sample's reward, computed while the step generates (a scorer given to ``run_step``); with a group filter
+    # (``algorithm.filter_groups``) only once the group was judged and passed (one that fails leaves the pool). The
+    # hand-over reuses it. Cleared when a sample restarts.
     scores: list[SampleScore] | None = None
 
     @property
@@ -273,9 +274,12 @@ class RolloutPool(Generic[P]):
         # scheduler's driver time.
         self._finished: set[int] = set()
         # With ``group_filter``: a finished group is ready (in ``_finished``) only once judged and passed; until then
-        # it waits here for its rewards (``judge``).
+        # it waits here for its rewards (``judge``). Without one a finished group is ready at once, and waits in
+        # ``_unscored`` for rewards a scorer may compute early (``record_scores``), so that the hand-over need not
+        # compute them while the engines idle.
         self.group_filter = group_filter
         self._unjudged: set[int] = set()
+        self._unscored: set[int] = set()
         # The runnable samples (``_is_runnable``), kept in step with every change to a sample, so that a launch costs
         # O(samples it launches) instead of a scan of every sample: with max_calls_per_server binding, every answer
         # frees one slot and launches one sample, and at 512 x 16 that full scan (and sort) per launch was ~95% of
@@ -438,6 +442,7 @@ class RolloutPool(Generic[P]):
         del self.groups[group.group_id]
         self._finished.discard(group.group_id)
         self._unjudged.discard(group.group_id)
+        self._unscored.discard(group.group_id)
         self._unindex(group.group_id)
         self.events.append((reason, group.key))
 
@@ -603,7 +608,11 @@ class RolloutPool(Generic[P]):
             prompt_tokens = 0 if group.prompt_ids is None else len(group.prompt_ids)
             self.count(finished_samples=1, finished_context_tokens=prompt_tokens + len(sample.token_ids))
             if group.finished:
-                (self._finished if self.group_filter is None else self._unjudged).add(group.group_id)
+                if self.group_filter is None:
+                    self._finished.add(group.group_id)
+                    self._unscored.add(group.group_id)
+                else:
+                    self._unjudged.add(group.group_id)
         self.server_tokens[result.server] += len(new_ids)
         self.count(tokens_generated=len(new_ids))
 
@@ -632,16 +641,34 @@ class RolloutPool(Generic[P]):
 
     def _sort_finished(self) -> None:
         """Rebuild the finished sets from the groups (a step start, a checkpoint loaded): under a group filter a
-        finished group is ready once judged (``scores``), else it waits to be judged."""
+        finished group is ready once judged (``scores``), else it waits to be judged; without one it is ready, and
+        awaits early rewards while it has none."""
         finished = [group for group in self.groups.values() if group.finished]
         self._open_samples = sum(not sample.finished for group in self.groups.values() for sample in group.samples)
         judged = self.group_filter is None
         self._finished = {group.group_id for group in finished if judged or group.scores is not None}
         self._unjudged = {group.group_id for group in finished if not judged and group.scores is None}
+        self._unscored = {group.group_id for group in finished if judged and group.scores is None}
 
-    def unjudged_groups(self) -> list[GroupState[P]]:
-        """Finished groups waiting for their rewards (always empty without a group filter), oldest first."""
-        return [self.groups[group_id] for group_id in sorted(self._unjudged)]
+    def awaiting_scores(self) -> list[GroupState[P]]:
+        """Finished groups whose rewards are not known yet, oldest first: to be judged (with a group filter), or
+        ready already and scored early for the hand-over (without one)."""
+        waiting = self._unscored if self.group_filter is None else self._unjudged
+        return [self.groups[group_id] for group_id in sorted(waiting)]
+
+    def record_scores(self, group_id: int, scores: list[SampleScore]) -> None:
+        """A finished group's rewards (one per sample): judged, with a group filter (:meth:`judge`); kept for the
+        hand-over without one. A group taken out or trained meanwhile is ignored."""
+        if self.group_filter is not None:
+            self.judge(group_id, scores)
+            return
+        group = self.groups.get(group_id)
+        if group is None or group_id not in self._unscored:
+            return
+        if len(scores) != len(group.samples):
+            raise ValueError(f"{len(scores)} scores for the {len(group.samples)} samples of group {group.key}")
+        group.scores = list(scores)
+        self._unscored.discard(group_id)
 
     def judge(self, group_id: int, scores: list[SampleScore]) -> bool:
         """Record a finished group's rewards (one per sample). A group whose metric does not vary is taken out and
@@ -735,6 +762,7 @@ class RolloutPool(Generic[P]):
         for group in taken:  # finished: none of its samples is in the index of runnable samples
             del self.groups[group.group_id]
             self._finished.discard(group.group_id)
+            self._unscored.discard(group.group_id)
             self.events.append(("trained", group.key))
         self.count(trained_groups=len(taken))
         return taken

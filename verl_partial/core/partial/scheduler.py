@@ -44,10 +44,13 @@ engine to produce a first output, and SGLang keeps decoding a request whose call
 * **Retries.** Any result with tokens or a finish resets the sample's failure count; a group is taken out only
   after ``max_retries`` retries of one sample failed in a row. Its other calls are taken back; what they return is
   counted in ``partial/tokens_discarded``.
+* **Rewards while generating.** Given a ``GroupScorer`` (verl's reward loop), the groups that finished are scored
+  together while generation goes on, as verl's own loop scores each answer as it ends: the hand-over reuses the
+  rewards instead of computing them all at the step end, while every engine idles. Scoring still out at the step end
+  is awaited, so no reward is computed twice and no judged group is lost.
 * **Group filter** (``algorithm.filter_groups``, :mod:`verl_partial.core.partial.group_filter`). A finished group
-  counts towards the step only once judged: the groups that finished are scored together by the ``GroupScorer``
-  (verl's reward loop) while generation goes on; a group whose rewards do not vary leaves the pool, freeing its slot
-  for a new prompt. Scoring still out at the step end is awaited, so no judged group is lost.
+  counts towards the step only once judged by those rewards; a group whose rewards do not vary leaves the pool,
+  freeing its slot for a new prompt.
 * **No busy loop.** Every turn of the step loop awaits an answer or a timer, or raises.
 """
 
@@ -274,7 +277,7 @@ class _Step(Generic[P]):
         if self.scorer is None:
             return
         scoring = {group.group_id for groups in self.scoring.values() for group in groups}
-        groups = [group for group in self.pool.unjudged_groups() if group.group_id not in scoring]
+        groups = [group for group in self.pool.awaiting_scores() if group.group_id not in scoring]
         if not groups:
             return
         task = self.loop.create_task(self.scorer.score(groups))  # type: ignore[arg-type]
@@ -289,7 +292,7 @@ class _Step(Generic[P]):
             if len(scores) != len(groups):
                 raise RuntimeError(f"the scorer returned {len(scores)} results for {len(groups)} groups")
             for group, group_scores in zip(groups, scores, strict=True):
-                self.pool.judge(group.group_id, group_scores)
+                self.pool.record_scores(group.group_id, group_scores)
             # Passed groups may end the step; filtered ones free slots for new prompts.
             self.maybe_done = self.launch_needed = True
 
@@ -635,8 +638,8 @@ async def run_step(
     """Generate until ``pool.batch_groups`` groups are finished; park the rest; hand those groups over.
 
     ``server_version``: the ``global_steps`` every server must report (None: not checked). ``scorer``: the rewards of
-    finished groups, needed by a pool with a group filter (only passing groups count). Times come from the
-    running event loop's clock, so a virtual-time loop drives the same code in tests.
+    finished groups while the step generates, needed by a pool with a group filter (only passing groups count).
+    Times come from the running event loop's clock, so a virtual-time loop drives the same code in tests.
     """
     loop = asyncio.get_running_loop()
     started = loop.time()

@@ -104,7 +104,7 @@ class FinishedSample:
     token_ids: np.ndarray  # int32
     log_probs: np.ndarray  # float32
     payload: dict[str, Any] | None = None  # multi-turn: the finished trajectory (mask, turns, tool output)
-    score: SampleScore | None = None  # its reward, computed already (group filter): not scored again
+    score: SampleScore | None = None  # its reward, computed while its step generated: not scored again
 
 
 def _empty_answer(call: SegmentCall, server_version: int | None = None, error: str | None = None) -> SegmentAnswer:

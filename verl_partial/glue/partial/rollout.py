@@ -395,7 +395,11 @@ class PartialRolloutLoader:
             self.batcher.begin_step(step)
         counters_before = engine_counters(trainer.llm_server_manager.server_handles)
         # Generation for step t runs on the weights synced after step t-1 (verl: update_weights(global_steps)).
-        scorer = None if self.pool.group_filter is None else WorkerGroupScorer(manager.agent_loop_workers)
+        # Rewards while the step generates, as verl's own loop computes each answer's as it ends (its reward loop
+        # workers): the hand-over reuses them rather than computing them all while every engine idles. A group filter
+        # judges by them. Without reward loop workers (a reward model colocated with the actor) verl scores in fit().
+        early = self.pool.group_filter is not None or manager.reward_loop_worker_handles is not None
+        scorer = WorkerGroupScorer(manager.agent_loop_workers) if early else None
         result = asyncio.run(
             run_step(
                 self.pool,
