@@ -19,7 +19,10 @@ calls the glue (verl_partial/glue/partial/segment_backend.py) would make for the
 * take-back / cancel: one ``take_back_segments`` / ``cancel_segments`` per worker holding sent calls among them (a call
   still in its launch window is dropped there, no Ray call: ``_sent_by_worker``);
 * abort / resume / progress of a server: one Ray call per control server of its replica (``EngineAdapter``), counted
-  as one (one server per replica).
+  as one (one server per replica);
+* score: the groups that finished since the last scoring call go to their workers' ``score``, one Ray call per
+  worker they touch (the glue's ``WorkerGroupScorer``, on whenever verl has reward loop workers); a call answers after
+  ``SCORE_S`` virtual seconds.
 
 verl's own: ``AgentLoopManager.generate_sequences`` (verl 0.9.1, verl/experimental/agent_loop/agent_loop.py) sends one
 ``generate_sequences`` Ray call per AgentLoopWorker per step, i.e. ``--workers`` calls.
@@ -46,13 +49,15 @@ from benchmarks._machine import git_commit, machine
 from verl_partial.config.partial import PRESETS
 from verl_partial.core.partial import scheduler
 from verl_partial.core.partial.finish import Finish
+from verl_partial.core.partial.group_filter import SampleScore
 from verl_partial.core.partial.on_policy import length_estimator
 from verl_partial.core.partial.pool import GroupState, RolloutPool, SegmentRequest, SegmentResult
 from verl_partial.sim.clock import run_virtual
 
 RESPONSE_LENGTH, MEDIAN_TOKENS, TOKENS_PER_S = 16384, 6000, 30.0
 PROMPT_IDS = np.arange(3, 13, dtype=np.int32)  # every segment reports the same tokenised prompt, as engines do
-CONTROLS = ("take_back_segments", "cancel_segments", "abort", "resume", "progress")
+CONTROLS = ("take_back_segments", "cancel_segments", "abort", "resume", "progress", "score")
+SCORE_S = 1.0  # virtual seconds a scoring call takes (a rule-based reward on verl's reward loop workers)
 # The glue's (verl_partial/glue/partial/segment_backend.py; importing it imports verl): the test checks they agree.
 LAUNCH_WINDOW_S = 0.05
 VERL_SOURCE = "verl/experimental/agent_loop/agent_loop.py:AgentLoopManager.generate_sequences (verl 0.9.1)"
@@ -160,6 +165,19 @@ class StandInEngine:
         }
 
 
+class StandInScorer:
+    """The glue's ``WorkerGroupScorer``: one ``score`` Ray call per worker holding groups of the batch (a group's
+    worker is ``group_id % workers``), answered after ``SCORE_S`` virtual seconds."""
+
+    def __init__(self, count: Counter[str], workers: int) -> None:
+        self.count, self.workers = count, workers
+
+    async def score(self, groups: list[GroupState]) -> list[list[SampleScore]]:
+        self.count["score"] += len({group.group_id % self.workers for group in groups})
+        await asyncio.sleep(SCORE_S)
+        return [[SampleScore(0.0, {}) for _ in group.samples] for group in groups]
+
+
 class EndlessPrompts:
     def __init__(self) -> None:
         self.drawn = 0
@@ -194,12 +212,13 @@ async def _steps(prompts: int, n: int, steps: int, servers: int, workers: int, p
                                          priority=estimator.priority if estimator else None,
                                          engine_slots=servers * config.max_calls_per_server)  # fmt: skip
     engine, source, out = StandInEngine(servers, workers), EndlessPrompts(), []
+    scorer = StandInScorer(engine.count, workers)
     with counting_wakeups(engine.count):
         for step in range(1, steps + 1):
             engine.begin_step()
             before = Counter(engine.count)
             started = time.process_time()
-            result = await scheduler.run_step(pool, engine, source, step=step, version=step - 1)
+            result = await scheduler.run_step(pool, engine, source, step=step, version=step - 1, scorer=scorer)
             cpu = time.process_time() - started
             if estimator is not None:
                 estimator.record(result.trained)

@@ -236,7 +236,7 @@ def _scheduler_ray_calls(data: Mapping[str, Any]) -> str:
 
     return (
         f"ours {kind(*steps[0]['ray_calls'])} Ray calls per step (launch {kind('run_segments')}, take-back "
-        f"{kind('take_back_segments')}, abort/resume {kind('abort', 'resume')}), verl's "
+        f"{kind('take_back_segments')}, abort/resume {kind('abort', 'resume')}, score {kind('score')}), verl's "
         f"{data['verl_ray_calls_per_step']} ({data['workload']['workers']} AgentLoopWorkers)"
     )
 
@@ -347,17 +347,17 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         id="scheduler-driver-cpu",
         claim="the real scheduler (`run_step`, `RolloutPool`, `+partial=default`, `max_calls_per_server` 512) over a "
-        "virtual-clock stand-in engine (no model, no Ray; lengths lognormal, median 6k, cap 16k): the process CPU time "
-        "of each step, measured; it includes the stand-in's own timers",
+        "virtual-clock stand-in engine and scorer (no model, no Ray; lengths lognormal, median 6k, cap 16k): the "
+        "process CPU time of each step, measured; it includes the stand-ins' own timers",
         source="scheduler_cost.json",
         label="simulated",
         value=_scheduler_cpu,
     ),
     Figure(
         id="scheduler-ray-calls",
-        claim="the same steps: the driver's Ray calls, counted as the glue would make them (one `run_segments` per "
-        "worker per 50 ms launch window, one take-back per worker per server, one abort and one resume per server), "
-        "against verl 0.9.1's `AgentLoopManager.generate_sequences` (one call per AgentLoopWorker)",
+        claim="the same steps: the driver's Ray calls as the glue makes them (per worker: one `run_segments` per 50 "
+        "ms launch window, one take-back per server, one `score` per batch of finished groups; per server: one abort, "
+        "one resume), against verl 0.9.1's `AgentLoopManager.generate_sequences` (one call per AgentLoopWorker)",
         source="scheduler_cost.json",
         label="simulated",
         value=_scheduler_ray_calls,

@@ -22,6 +22,7 @@ def test_counts_are_consistent_at_a_tiny_size(bench_module) -> None:
         assert step["wakeups"] > 0
         assert 1 <= ray["run_segments"] <= step["waves"] * 3  # one per worker touched per launch window
         assert ray["abort"] == ray["resume"] == 2  # every server aborted and reopened at the step end
+        assert 1 <= ray["score"] <= 2 * step["trained_groups"]  # finished groups scored while generating, batched
         assert step["ray_calls_total"] == sum(ray.values())
 
 
