@@ -309,7 +309,7 @@ FIGURES: tuple[Figure, ...] = (
         id="peer-emulated-fill",
         claim="the same engine and harness on a server that never fills (256 slots for 64 samples a step): "
         "`+partial=default` (`fill_engine`) against the same preset admitting by finished groups, per trained token, "
-        "paired by round (table below)",
+        "paired by round",
         source="peer_emulated_fill.json",
         label="emulated",
         value=_peer_fill,

@@ -82,9 +82,8 @@ class PartialConfig:
     fresh group is admitted whenever the engines have a free slot for each of its samples (servers x
     ``rollout.max_num_seqs``), while the pool holds at most ``(1 + max_staleness) x train_batch_size`` groups, the
     most that can be generated ahead of training without a token exceeding ``max_staleness`` (AReaL's capacity
-    bound). A server that never fills (a GPU's step time barely grows with its batch) then runs full instead of
-    idling while a group's last samples decode; a server that queues has no free slot, and admission is the
-    refill's alone. ``false``: admission by groups only (``refill`` and ``extra_groups``)."""
+    bound). A server that never fills then runs full instead of idling while a group's last samples decode; one that
+    queues has no free slot. ``false``: admission by groups only (``refill`` and ``extra_groups``)."""
 
     max_retries: int = 2
     """Retries of one sample's failed calls before its group is taken out (counted as ``partial/failed_groups``; its
