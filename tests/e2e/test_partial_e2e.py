@@ -324,7 +324,7 @@ def test_rewards_are_computed_while_the_step_generates_once_each(demo_assets, tm
         tmp_path,
         steps=steps,
         partial="default",
-        extra=[f"partial.dump_dir={tmp_path / 'dump'}", "trainer.test_freq=0", "trainer.val_before_train=false"],
+        extra=[f"partial.dump_dir={tmp_path / 'dump'}", "trainer.test_freq=0"],
     )
     run.assert_ok()
     calls = [json.loads(line) for line in log.read_text().splitlines()]
