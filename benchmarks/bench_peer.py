@@ -834,9 +834,8 @@ def header(results: dict[str, Any], command: bool = True) -> str:
         f"(median {wl['lengths']['median']:g}, sigma {wl['lengths']['sigma']:g}, cap {wl['lengths']['cap']}), imposed, "
         f"{_length_history(results)}. "
         f"{wl['steps']} steps per run, steps >= {wl['first_measured']} measured; one lock, "
-        f"{results.get('threads', '?')} threads in every process (benchmarks/harness.py); {results['rounds']} "
-        f"interleaved round(s), ranges min-max over rounds, speed-ups paired by round; {rejected} run(s) rejected "
-        "(busy machine)."
+        f"{results.get('threads', '?')} threads a process (benchmarks/harness.py); {results['rounds']} "
+        f"interleaved round(s), ranges min-max, speed-ups paired by round; {rejected} busy run(s) rejected."
         + (
             " SMOKE RUN: below the harness minimum (3 rounds, 10 measured steps), not evidence."
             if smoke(results)

@@ -211,6 +211,13 @@ def _sim_check(data: Mapping[str, Any]) -> str:
     return f"within 10 % for {within} of {len(rows)} modes; largest miss {worst['miss']:+.0%} ({worst['mode']})"
 
 
+def _sim_check_and_ceiling(data: Mapping[str, Any]) -> str:
+    """:func:`_sim_check`, and the rollout-phase ceiling over sync at staleness <= 1 (verl_partial/sim/bound.py)."""
+    from benchmarks.bench_peer import spread
+
+    return f"{_sim_check(data)}; ceiling at staleness <= 1: {spread(data['ceiling_vs_sync'])}x sync"
+
+
 def _sim_check_table(data: Mapping[str, Any]) -> str:
     from benchmarks.sim_check_emulated import table
 
@@ -277,7 +284,7 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         id="peer-emulated",
         claim="every mode through verl's trainers (v1: sync and colocate_async at our bound and at verl's defaults, "
-        "each also with a 0.05 s poll) on our CPU engine emulating a 32B model on one H20; the goals of issue 25, "
+        "each also with a 0.05 s poll) on our CPU engine emulating 32B on one H20; issue 25's goals, "
         "verdicts from the paired per-round figures below",
         source="peer_emulated.json",
         label="emulated",
@@ -297,9 +304,9 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="peer-tail-emulated",
-        claim="length-aware windows without an oracle (answer lengths drawn per epoch, set-up in the header below): "
+        claim="length-aware windows without an oracle (lengths drawn per epoch): "
         "`tail` and `tail_on_policy` against v0 sync and `default` through verl's trainer, on our CPU engine "
-        "emulating a 32B model on one H20",
+        "emulating 32B on one H20",
         source="peer_tail_emulated.json",
         label="emulated",
         value=_peer_tail,
@@ -316,16 +323,16 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="peer-emulated-kv",
-        claim="where the KV cache binds, through verl's trainer: our engine emulating 32B on one H20 (64 slots, "
-        "33,569 KV tokens), 16 x 4 samples, answers median 1,024, cap 4,096; `default` reads that size (rounds 0-1 "
-        "were given it), `default_kv_off` has no cap",
+        claim="where the KV cache binds: our engine through verl's trainer, emulating 32B on one H20 (64 slots, "
+        "33,569 KV tokens); 16 x 4 samples, answers median 1,024, cap 4,096; `default` reads the size (given it in "
+        "rounds 0-1); `default_kv_off`: no cap",
         source="peer_emulated_production_kv.json",
         label="emulated",
         value=_peer_kv,
     ),
     Figure(
         id="sim-fill-engine",
-        claim="`+partial=default` against itself with `fill_engine=false` (admission by finished groups) and with "
+        claim="`+partial=default` against itself with `fill_engine=false` and with "
         "`kv_tokens_per_server=off`, and against sync: the real scheduler over the simulator's vLLM "
         "servers, rollout phase per trained token, seeds 0-2; 7B on H100s (256 slots; lengths median 1,000, p99/p50 "
         "8) that never fill (32 x 8 samples, 2 servers) and that queue (64 x 8, 1 server); 32B on H20s (256 slots, "
@@ -336,19 +343,27 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="sim-vs-emulated",
-        claim="the simulator (parameters frozen, the emulated GPU's step-time model, the peer workload, seeds 0-4) "
-        "beside the emulated engine, rollout phase per trained token: it checks the scheduler model and what "
-        "the simulator leaves out, not the GPU curve (both share it); the second table locates the miss",
+        claim="the simulator (parameters frozen, the emulated GPU's step-time model, seeds 0-4) beside the emulated "
+        "engine on the peer workload, rollout phase per trained token: a check of the scheduler model, not of the "
+        "GPU curve they share; the second table locates the miss",
         source="sim_check_emulated.json",
         label="simulated",
         value=_sim_check,
         table=_sim_check_table,
     ),
     Figure(
+        id="sim-vs-emulated-kv",
+        claim="the same check on `peer-emulated-kv`'s workload (the simulator's servers hold the H20's KV cache); "
+        "the ceiling covers every colocated schedule training `default`'s batches",
+        source="sim_check_production_kv.json",
+        label="simulated",
+        value=_sim_check_and_ceiling,
+    ),
+    Figure(
         id="scheduler-driver-cpu",
         claim="the real scheduler (`run_step`, `RolloutPool`, `+partial=default`, `max_calls_per_server` 512) over a "
-        "virtual-clock stand-in engine and scorer (no model, no Ray; lengths lognormal, median 6k, cap 16k): the "
-        "process CPU time of each step, measured; it includes the stand-ins' own timers",
+        "virtual-clock stand-in engine and scorer (no model, no Ray; lengths lognormal, median 6k, cap 16k): each "
+        "step's process CPU time, measured, the stand-ins' timers included",
         source="scheduler_cost.json",
         label="simulated",
         value=_scheduler_cpu,
@@ -372,16 +387,10 @@ _EARLIER_ADMISSION = "measured before `partial.fill_engine`, not re-measured"
 WITHDRAWN: tuple[Withdrawn, ...] = (
     Withdrawn(
         figure="`default` beside verl v1 colocate_async (peer benchmark): rollout phase per trained token 1.13x v0 "
-        "sync, 0.95x v1; `default_extra` 1.30x / 1.11x",
-        sources=("peer.json", "peer_round1.json", "peer_rounds23.json"),
-        script="benchmarks/bench_peer.py",
-        why=_UNEQUAL_HARNESS,
-    ),
-    Withdrawn(
-        figure="`default` vs sync through verl's trainer on vLLM's CPU build: rollout phase 1.09-1.38x per trained "
-        "token, and every other speed-up of these runs",
-        sources=("vllm_trainer*.json",),
-        script="benchmarks/bench_vllm_trainer.py",
+        "sync, 0.95x v1; `default_extra` 1.30x / 1.11x; `default` vs sync on vLLM's CPU build: rollout phase "
+        "1.09-1.38x, and every other speed-up of these runs",
+        sources=("peer.json", "peer_round1.json", "peer_rounds23.json", "vllm_trainer*.json"),
+        script="benchmarks/bench_peer.py, benchmarks/bench_vllm_trainer.py",
         why=_UNEQUAL_HARNESS,
     ),
     Withdrawn(
@@ -464,7 +473,7 @@ def render() -> str:
         "# Evidence",
         "",
         "Current figures, each once, written from `benchmarks/results/` by `python -m benchmarks.evidence` (do not",
-        "edit by hand). Date, command and commit come from each results file. Link to a figure as `evidence.md#<id>`.",
+        "edit by hand). Date, command and commit come from each results file.",
         "",
         "## Figures",
         "",
