@@ -63,22 +63,20 @@ def check_filtered(run, scorer: Scorer, batch: int) -> None:
     assert not [key for key in filtered if key in {g.key for groups in run.trained for g in groups}]
 
 
+def six_steps(policy: str, restore: bool, scorer, group_filter: GroupFilter | None = None):
+    """Six steps of 3 groups x 4 samples under ``policy``, restored from a checkpoint at steps 3 and 5 if asked."""
+    config = PartialConfig(extra_groups=0 if policy == "wait" else 2, max_staleness=1, staleness_policy=policy)
+    restore_at = frozenset({3, 5}) if restore else frozenset()
+    run = simulate(config, n=4, batch=3, steps=6, response_length=24, seed=11, group_filter=group_filter,
+                   scorer=scorer, restore_at=restore_at)  # fmt: skip
+    return config, run
+
+
 @pytest.mark.parametrize("policy", ["restart", "drop", "keep", "wait"])
 @pytest.mark.parametrize("restore", [False, True])
 def test_uniform_groups_are_never_trained_and_counted(policy: str, restore: bool) -> None:
-    config = PartialConfig(extra_groups=0 if policy == "wait" else 2, max_staleness=1, staleness_policy=policy)
     scorer = Scorer()
-    run = simulate(
-        config,
-        n=4,
-        batch=3,
-        steps=6,
-        response_length=24,
-        seed=11,
-        group_filter=GroupFilter(metric="acc"),
-        scorer=scorer,
-        restore_at=frozenset({3, 5}) if restore else frozenset(),
-    )
+    config, run = six_steps(policy, restore, scorer, GroupFilter(metric="acc"))
     check_filtered(run, scorer, batch=3)
     check_groups(run.trained, config, 4, 3, 24, 11)
     check_ledger(run, 3, config.extra_groups)
@@ -117,18 +115,8 @@ def test_without_a_filter_rewards_are_computed_while_generating_and_kept_for_the
     """With a scorer and no filter (the glue's default when verl has reward loop workers), every trained group
     arrives with one reward per sample, computed from its final tokens while the step generated; nothing is
     filtered, and under ``wait`` (no restart) each group is scored exactly once."""
-    config = PartialConfig(extra_groups=0 if policy == "wait" else 2, max_staleness=1, staleness_policy=policy)
     scorer = TokenScorer()
-    run = simulate(
-        config,
-        n=4,
-        batch=3,
-        steps=6,
-        response_length=24,
-        seed=11,
-        scorer=scorer,
-        restore_at=frozenset({3, 5}) if restore else frozenset(),
-    )
+    config, run = six_steps(policy, restore, scorer)
     check_groups(run.trained, config, 4, 3, 24, 11)
     check_ledger(run, 3, config.extra_groups)
     for groups in run.trained:
