@@ -180,10 +180,10 @@ def test_judged_state_survives_a_checkpoint() -> None:
             sample.finished = True
         pool._sort_finished()
     assert not pool.ready_groups() and len(pool.awaiting_scores()) == 2
-    assert pool.judge(0, [SampleScore(0.0), SampleScore(1.0)])
+    assert pool.record_scores(0, [SampleScore(0.0), SampleScore(1.0)])
     restored: RolloutPool = RolloutPool(PartialConfig(extra_groups=1, staleness_policy="restart"), **shape)
     restored.load_state_dict(pool.state_dict())
     assert [group.key for group in restored.ready_groups()] == ["a"]
     assert [group.key for group in restored.awaiting_scores()] == ["b"]
-    assert not restored.judge(1, [SampleScore(1.0), SampleScore(1.0)])
+    assert not restored.record_scores(1, [SampleScore(1.0), SampleScore(1.0)])
     assert restored.counters.filtered_groups == 1 and 1 not in restored.groups

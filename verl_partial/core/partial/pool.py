@@ -273,12 +273,10 @@ class RolloutPool(Generic[P]):
         # the scheduler) and ``step_done`` do not rescan every sample: at 512 x 16 that rescan was a third of the
         # scheduler's driver time.
         self._finished: set[int] = set()
-        # With ``group_filter``: a finished group is ready (in ``_finished``) only once judged and passed; until then
-        # it waits here for its rewards (``judge``). Without one a finished group is ready at once, and waits in
-        # ``_unscored`` for rewards a scorer may compute early (``record_scores``), so that the hand-over need not
-        # compute them while the engines idle.
+        # Finished groups without rewards yet (``record_scores`` records them). With ``group_filter`` such a group is
+        # not ready (not in ``_finished``) until judged and passed; without one it is ready at once, and its rewards
+        # are computed early so that the hand-over need not compute them while the engines idle.
         self.group_filter = group_filter
-        self._unjudged: set[int] = set()
         self._unscored: set[int] = set()
         # The runnable samples (``_is_runnable``), kept in step with every change to a sample, so that a launch costs
         # O(samples it launches) instead of a scan of every sample: with max_calls_per_server binding, every answer
@@ -441,7 +439,6 @@ class RolloutPool(Generic[P]):
         self._open_samples -= sum(not sample.finished for sample in group.samples)
         del self.groups[group.group_id]
         self._finished.discard(group.group_id)
-        self._unjudged.discard(group.group_id)
         self._unscored.discard(group.group_id)
         self._unindex(group.group_id)
         self.events.append((reason, group.key))
@@ -608,11 +605,9 @@ class RolloutPool(Generic[P]):
             prompt_tokens = 0 if group.prompt_ids is None else len(group.prompt_ids)
             self.count(finished_samples=1, finished_context_tokens=prompt_tokens + len(sample.token_ids))
             if group.finished:
+                self._unscored.add(group.group_id)
                 if self.group_filter is None:
                     self._finished.add(group.group_id)
-                    self._unscored.add(group.group_id)
-                else:
-                    self._unjudged.add(group.group_id)
         self.server_tokens[result.server] += len(new_ids)
         self.count(tokens_generated=len(new_ids))
 
@@ -647,42 +642,28 @@ class RolloutPool(Generic[P]):
         self._open_samples = sum(not sample.finished for group in self.groups.values() for sample in group.samples)
         judged = self.group_filter is None
         self._finished = {group.group_id for group in finished if judged or group.scores is not None}
-        self._unjudged = {group.group_id for group in finished if not judged and group.scores is None}
-        self._unscored = {group.group_id for group in finished if judged and group.scores is None}
+        self._unscored = {group.group_id for group in finished if group.scores is None}
 
     def awaiting_scores(self) -> list[GroupState[P]]:
         """Finished groups whose rewards are not known yet, oldest first: to be judged (with a group filter), or
         ready already and scored early for the hand-over (without one)."""
-        waiting = self._unscored if self.group_filter is None else self._unjudged
-        return [self.groups[group_id] for group_id in sorted(waiting)]
+        return [self.groups[group_id] for group_id in sorted(self._unscored)]
 
-    def record_scores(self, group_id: int, scores: list[SampleScore]) -> None:
-        """A finished group's rewards (one per sample): judged, with a group filter (:meth:`judge`); kept for the
-        hand-over without one. A group taken out or trained meanwhile is ignored."""
-        if self.group_filter is not None:
-            self.judge(group_id, scores)
-            return
+    def record_scores(self, group_id: int, scores: list[SampleScore]) -> bool:
+        """A finished group's rewards (one per sample), kept for the hand-over. With a group filter the group is
+        judged too: one whose metric does not vary is taken out and counted (``filtered``), one that passes becomes
+        ready; this raises once the step judged ``max_num_gen_batches`` batches without enough passing groups.
+        Returns whether the group holds its rewards now (False for a group taken out, trained or restarted while they
+        were computed, or filtered)."""
         group = self.groups.get(group_id)
         if group is None or group_id not in self._unscored:
-            return
+            return False
         if len(scores) != len(group.samples):
             raise ValueError(f"{len(scores)} scores for the {len(group.samples)} samples of group {group.key}")
-        group.scores = list(scores)
         self._unscored.discard(group_id)
-
-    def judge(self, group_id: int, scores: list[SampleScore]) -> bool:
-        """Record a finished group's rewards (one per sample). A group whose metric does not vary is taken out and
-        counted (``filtered``); one that passes is ready for training. Returns whether it passed (False also for a
-        group taken out meanwhile). Raises once this step judged ``max_num_gen_batches`` batches without enough
-        passing groups."""
         if self.group_filter is None:
-            raise RuntimeError("judge() on a pool without a group filter")
-        group = self.groups.get(group_id)
-        if group is None or group_id not in self._unjudged:
-            return False  # taken out, or restarted, while its rewards were computed
-        if len(scores) != len(group.samples):
-            raise ValueError(f"{len(scores)} scores for the {len(group.samples)} samples of group {group.key}")
-        self._unjudged.discard(group_id)
+            group.scores = list(scores)
+            return True
         self.count(judged_groups=1)
         passed = self.group_filter.passes(group.key, scores)
         if passed:
