@@ -11,6 +11,10 @@ the comparison, and nothing is fitted: the workload is the peer benchmark's (its
 lengths with the same median, sigma and cap, independent per sample), the step-time model is the emulated GPU's, and
 each mode is the same ``PartialConfig`` the trainer ran. Seeds vary the simulated length draws (the benchmark's draws
 are fixed by its hash); the prediction is given over seeds as mean (min-max). v1 modes have no simulator model.
+
+Each mode is predicted twice: with vLLM's prefix cache (the simulator as frozen, a group's samples share their prompt's
+prefill) and without it, as the emulated engine runs (our CPU engine prefills every request's whole context). The
+second is the like-for-like check; the first shows what that engine difference costs.
 """
 
 from __future__ import annotations
@@ -101,16 +105,17 @@ def simulated_engine(run: Any) -> dict[str, float]:
 Prediction = tuple[dict[str, list[float]], list[float], dict[str, list[dict[str, float]]]]
 
 
-def predict(results: dict[str, Any], engine: str, prompt_len: int) -> Prediction:
+def predict(results: dict[str, Any], engine: str, prompt_len: int, prefix_cache: bool = True) -> Prediction:
     """Rollout ms per trained token per mode and seed, over the benchmark's measured steps; and per seed, the highest
     rollout speed-up over sync that any colocated schedule at staleness <= 1 could reach on the batches ``default``
     trained (``verl_partial.sim.run.ceiling``: the bound covers those batch compositions, not regrouped ones); and per
-    mode, :data:`ENGINE_FIGURES` of each seed's whole simulated run."""
+    mode, :data:`ENGINE_FIGURES` of each seed's whole simulated run. ``prefix_cache``: the simulated servers'
+    (``ServerSpec.prefix_cache``)."""
     wl = workload_of(results)
     gpu = emulated_gpu(results, engine)
     if gpu is None:
         raise SystemExit(f"{engine}: the results hold no emulated GPU override; nothing to simulate")
-    spec = gpu.server_spec(wl.slots)
+    spec = dataclasses.replace(gpu.server_spec(wl.slots), prefix_cache=prefix_cache)
     out: dict[str, list[float]] = {}
     engines: dict[str, list[dict[str, float]]] = {}
     runs: dict[tuple[str, int], Any] = {}
@@ -163,7 +168,8 @@ def spread(values: list[float]) -> str:
 
 
 def compare(results: dict[str, Any], engine: str, prompt_len: int) -> dict[str, Any]:
-    predicted, bounds, simulated = predict(results, engine, prompt_len)
+    predicted, bounds, _ = predict(results, engine, prompt_len)
+    as_engine, _, simulated = predict(results, engine, prompt_len, prefix_cache=False)
     measured = {name: [r.gen_ms_per_token for r in runs] for name, runs in by_mode(results, engine).items()}
     rows = []
     for name in [m for m in MODES if m in measured or m in predicted]:
@@ -171,28 +177,30 @@ def compare(results: dict[str, Any], engine: str, prompt_len: int) -> dict[str, 
             "mode": name,
             "measured": measured.get(name),
             "predicted": predicted.get(name),
+            "predicted_as_engine": as_engine.get(name),
             "engine_busy_share": busy_share(results, engine, name),
             "engine": {"measured": measured_engine(results, engine, name), "simulated": simulated.get(name, [])},
         }
-        if row["measured"] and row["predicted"]:
-            row["miss"] = statistics.fmean(row["predicted"]) / statistics.fmean(row["measured"]) - 1.0
+        for key, prediction in (("miss", "predicted"), ("miss_as_engine", "predicted_as_engine")):
+            if row["measured"] and row[prediction]:
+                row[key] = statistics.fmean(row[prediction]) / statistics.fmean(row["measured"]) - 1.0
         rows.append(row)
     return {"engine": engine, "prompt_len": prompt_len, "seeds": list(SEEDS), "rows": rows, "ceiling_vs_sync": bounds}
 
 
 def table(report: dict[str, Any]) -> str:
     lines = [
-        "| mode | measured rollout ms / trained token (rounds) | simulated (seeds) | simulated / measured - 1 | "
-        "measured: engine busy share of the phase |",
-        "|---|---:|---:|---:|---:|",
+        "| mode | measured rollout ms / trained token (rounds) | simulated, no prefix cache as the emulated engine "
+        "(seeds) | simulated / measured - 1 | simulated with vLLM's prefix cache: / measured - 1 | measured: engine "
+        "busy share of the phase |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for row in report["rows"]:
-        miss = row.get("miss")
-        flag = "" if miss is None or abs(miss) <= TOLERANCE else " (over 10 %)"
+        prediction = row.get("predicted_as_engine")
         lines.append(
             f"| `{row['mode']}` | {spread(row['measured']) if row['measured'] else 'not run'} | "
-            f"{spread(row['predicted']) if row['predicted'] else 'no simulator model'} | "
-            f"{'-' if miss is None else f'{miss:+.0%}'}{flag} | "
+            f"{spread(prediction) if prediction else 'no simulator model'} | {_miss(row.get('miss_as_engine'))} | "
+            f"{_miss(row.get('miss'))} | "
             f"{spread(row['engine_busy_share']) if row['engine_busy_share'] else '-'} |"
         )
     lines += ["", *engine_table(report)]
@@ -207,6 +215,10 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _miss(miss: float | None) -> str:
+    return "-" if miss is None else f"{miss:+.0%}" + ("" if abs(miss) <= TOLERANCE else " (over 10 %)")
+
+
 def engine_table(report: dict[str, Any]) -> list[str]:
     """Where a miss sits: the emulated engine's step stream beside the simulated servers', whole runs, per trained
     token (measured over rounds, simulated over seeds); rows without both sides are left out."""
@@ -215,7 +227,7 @@ def engine_table(report: dict[str, Any]) -> list[str]:
         return []
     lines = [
         "The engine itself, whole runs (warm-up included), measured (emulated engine's counters, modelled time) / "
-        "simulated:",
+        "simulated without a prefix cache:",
         "",
         "| mode | " + " | ".join(ENGINE_FIGURES.values()) + " |",
         "|---|" + "---:|" * len(ENGINE_FIGURES),

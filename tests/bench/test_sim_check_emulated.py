@@ -62,3 +62,11 @@ def test_the_simulated_run_keeps_its_servers_counters_through_steady() -> None:
     run = ModeRun(seconds=[1.0, 2.0], tokens_trained=[5.0, 6.0], engine=EngineStats(decode_steps=7))
     steady = run.steady(1)
     assert steady.seconds == [2.0] and steady.engine.decode_steps == 7
+
+
+def test_the_table_gives_the_like_for_like_miss_and_the_prefix_cache_miss_each_flagged(check: ModuleType) -> None:
+    row = {"mode": "default", "measured": [2.0, 2.0], "predicted": [1.6], "predicted_as_engine": [1.9],
+           "miss": -0.2, "miss_as_engine": -0.05, "engine_busy_share": [0.9], "engine": {}}  # fmt: skip
+    line = next(line for line in check.table({"rows": [row]}).splitlines() if line.startswith("| `default`"))
+    cells = [cell.strip() for cell in line.strip("|").split("|")]
+    assert cells[2:5] == ["1.90 (1.90-1.90)", "-5%", "-20% (over 10 %)"]

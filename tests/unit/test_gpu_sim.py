@@ -161,6 +161,15 @@ def test_siblings_share_their_prompt_prefill():
     assert server.stats.prefill_tokens == 500 + 7 * 1  # first sibling prefills, the others recompute one token
 
 
+def test_without_a_prefix_cache_every_sibling_prefills_its_whole_prompt():
+    """Our CPU engine has no prefix cache; the simulator models it so for the check against its emulated runs."""
+    cached, uncached = ServerSpec(H100_SXM, QWEN25_7B), ServerSpec(H100_SXM, QWEN25_7B, prefix_cache=False)
+    _, shared_s, _ = _serve(cached, [(500, 3)] * 8, prompt_len=500)
+    _, alone_s, server = _serve(uncached, [(500, 3)] * 8, prompt_len=500)
+    assert server.stats.prefill_tokens == 8 * 500 and server.stats.cached_tokens == 0
+    assert alone_s > shared_s
+
+
 def test_virtual_clock_never_sleeps(monkeypatch):
     # An hour of waiting is a jump of the clock: the OS selector beneath the loop is only ever polled, never asked
     # to block (a positive timeout here is a real sleep, whatever the machine's speed).

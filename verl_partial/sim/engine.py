@@ -56,6 +56,9 @@ class ServerSpec:
     0.5). ``activation_reserve_bytes`` per GPU stands for vLLM's profiled activation peak and CUDA graphs.
     ``step_overhead_s``: fixed time added to every engine step (CPU scheduling, kernel launches, tensor-parallel
     all-reduce latency). 0 in the model we validated and project with; a what-if knob (docs/method/gpu-simulator.md).
+    ``prefix_cache``: vLLM's (on in verl): a group's samples share their prompt's prefill, and a request re-admitted
+    on the same weights keeps what it held. ``False`` prefills every request's whole context, as our CPU engine does;
+    the simulator then models that engine, for checking it against its emulated-GPU runs.
     """
 
     gpu: GpuSpec
@@ -67,6 +70,7 @@ class ServerSpec:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     step_overhead_s: float = 0.0
+    prefix_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_capacity_tokens < 1:
@@ -350,8 +354,10 @@ class SimServer:
                     )
                 break
             self.waiting.popleft()
-            cached = max(
-                self.cache.get(request.sample_key, 0), min(self.cache.get(request.prompt_key, 0), request.prefix)
+            cached = (
+                max(self.cache.get(request.sample_key, 0), min(self.cache.get(request.prompt_key, 0), request.prefix))
+                if spec.prefix_cache
+                else 0
             )
             cached = min(cached, request.context - 1)  # vLLM recomputes at least the last token
             # A resumed or preempted request re-prefills everything it holds, its generated tokens included.
