@@ -578,9 +578,8 @@ def fixed_costs(results: dict[str, Any], engine: str, compact: bool = False) -> 
         elif (end_cell, poll_cell) != ("-", "-"):  # weight sync goes in the caption; a row of dashes is left out
             rows.append(f"| `{name}` | {end_cell} | {poll_cell} |")
     if compact:
-        caption = ("Fixed real-clock costs per measured step, as shares of the rollout phase (mean, min-max over "
-                   f"rounds); weight sync (`timing_s/update_weights`) was at most {max(sync_shares, default=0):.1f} % "
-                   "of the whole step in every mode:")  # fmt: skip
+        caption = ("Fixed real-clock costs, shares of the rollout phase (mean, min-max over rounds); weight sync was "
+                   f"at most {max(sync_shares, default=0):.1f} % of the step in every mode:")  # fmt: skip
         head = ["| mode | our step end (`partial/step_end_s`) | v1's 2 s poll: saved by its 0.05 s twin |",
                 "|---|---:|---:|"]  # fmt: skip
     else:
@@ -760,6 +759,11 @@ class GoalOutcome:
         def mode(name: str) -> str:
             return f"`{name}`" if by_name else MODES[name].label
 
+        if by_name:  # the evidence page: its claim says the figures are per trained token
+            ours = "our best at staleness <= 1" if self.ours == BEST else mode(self.ours)
+            if self.against is None:
+                return f"{ours} {FIGURES[self.figure]} (goal {self.goal})"
+            return f"{ours} vs {mode(self.against)}, {FIGURES[self.figure]} (goal {self.goal}x)"
         ours = "the best of our modes at staleness <= 1" if self.ours == BEST else mode(self.ours)
         if self.against is None:
             return f"{ours} {FIGURES[self.figure]} (goal >= {self.goal})"
@@ -833,9 +837,9 @@ def header(results: dict[str, Any], command: bool = True) -> str:
         f"fp32; {wl['prompts']} prompts x n = {wl['n']} per step, {wl['slots']} engine slots; lengths lognormal "
         f"(median {wl['lengths']['median']:g}, sigma {wl['lengths']['sigma']:g}, cap {wl['lengths']['cap']}), imposed, "
         f"{_length_history(results)}. "
-        f"{wl['steps']} steps per run, steps >= {wl['first_measured']} measured; one lock, "
-        f"{results.get('threads', '?')} threads a process (benchmarks/harness.py); {results['rounds']} "
-        f"interleaved round(s), ranges min-max, speed-ups paired by round; {rejected} busy run(s) rejected."
+        f"{wl['steps']} steps per run, steps >= {wl['first_measured']} measured; benchmarks/harness.py: one lock, "
+        f"{results.get('threads', '?')} threads a process, {results['rounds']} interleaved round(s), min-max, paired "
+        f"by round, {rejected} busy run(s) rejected."
         + (
             " SMOKE RUN: below the harness minimum (3 rounds, 10 measured steps), not evidence."
             if smoke(results)
@@ -847,12 +851,12 @@ def header(results: dict[str, Any], command: bool = True) -> str:
 def _length_history(results: dict[str, Any]) -> str:
     """What an earlier epoch tells about a sample's length, in words, for the header."""
     wl = workload_of(results)
-    epoch = f"{wl.train_rows} prompts in the data set ({wl.train_rows // wl.prompts} steps an epoch)"
+    epoch = f"{wl.train_rows} prompts ({wl.train_rows // wl.prompts} steps an epoch)"
     seeds = "; round r draws the lengths of seed r" if results.get("seeds_by_round") else ""
     if wl.lengths.per_epoch:
         return (f"drawn per prompt, sample and epoch with correlation {wl.lengths.epoch_corr:g} between epochs (log "
                 f"scale); {epoch}{seeds}")  # fmt: skip
-    return f"a pure function of prompt and sample, the same every epoch (an oracle history); {epoch}{seeds}"
+    return f"the same every epoch (an oracle history); {epoch}{seeds}"
 
 
 def smoke(results: dict[str, Any]) -> bool:
