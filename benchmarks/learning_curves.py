@@ -54,7 +54,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._machine import cpu_name
+from benchmarks._machine import cpu_name, git_commit
 from benchmarks.harness import RunSettings, ray_overrides, run_env, run_trainer
 from verl_partial.cli import DEFAULT_CACHE, demo_command
 from verl_partial.demo.assets import DemoAssets, build_assets, hydra_overrides
@@ -238,6 +238,11 @@ def ms_per_trained_token(run: dict[str, Any]) -> float:
     return 1e3 * float(np.nansum(step_seconds(run)[1:])) / tokens if tokens else float("nan")
 
 
+def final_reward(run: dict[str, Any], window: int) -> float:
+    """Training reward averaged over the run's last ``window`` steps."""
+    return float(np.nanmean(_series(run, SCORE)[-window:]))
+
+
 def _lengths(runs: list[dict[str, Any]]) -> np.ndarray:
     return np.array([n for run in runs for record in run["steps"] for n in record.get("trained_lengths", [])])
 
@@ -274,7 +279,7 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
                 proxy_gaps.append(abs(float(np.mean(record["trained_lengths"])) - record["response_length/mean"]))
     summary["length_proxy_max_gap"] = max(proxy_gaps, default=float("nan"))
     for name, runs in by_mode.items():
-        finals = [float(np.nanmean(_series(run, SCORE)[-window:])) for run in runs]
+        finals = [final_reward(run, window) for run in runs]
         seconds = [float(np.nanmean(step_seconds(run)[1:])) for run in runs]  # step 1 carries warm-up
         gen = [float(np.nanmean(_series(run, "timing_s/gen")[1:])) for run in runs]
         lengths = _lengths(runs)
@@ -563,6 +568,7 @@ def main() -> None:
         results: dict[str, Any] = {
             "config": {
                 "command": " ".join(sys.argv),
+                "commit": git_commit(),
                 "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                 "cpu": cpu_name(),
                 "steps": args.steps,

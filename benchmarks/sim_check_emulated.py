@@ -197,9 +197,11 @@ def table(report: dict[str, Any]) -> str:
     ]
     for row in report["rows"]:
         prediction = row.get("predicted_as_engine")
+        if not prediction:  # v1 modes: no simulator model (their busy share is in the peer figures)
+            continue
         lines.append(
             f"| `{row['mode']}` | {spread(row['measured']) if row['measured'] else 'not run'} | "
-            f"{spread(prediction) if prediction else 'no simulator model'} | {_miss(row.get('miss_as_engine'))} | "
+            f"{spread(prediction)} | {_miss(row.get('miss_as_engine'))} | "
             f"{_miss(row.get('miss'))} | "
             f"{spread(row['engine_busy_share']) if row['engine_busy_share'] else '-'} |"
         )
@@ -207,10 +209,10 @@ def table(report: dict[str, Any]) -> str:
     if report.get("ceiling_vs_sync"):
         lines += [
             "",
-            f"Ceiling at staleness <= 1: no colocated schedule training the batches `default` trained (simulated, "
-            f"seeds {report['seeds'][0]}-{report['seeds'][-1]}) can make the rollout phase more than "
-            f"{spread(report['ceiling_vs_sync'])}x faster than sync's (verl_partial/sim/bound.py: the longest answer's "
-            "steps over the staleness window, and the work on one server).",
+            f"Ceiling at staleness <= 1 (simulated, seeds {report['seeds'][0]}-{report['seeds'][-1]}; "
+            "verl_partial/sim/bound.py: the longest answer's steps over the staleness window, and the work on one "
+            f"server): no colocated schedule training `default`'s batches makes the rollout phase more than "
+            f"{spread(report['ceiling_vs_sync'])}x faster than sync's.",
         ]
     return "\n".join(lines)
 
