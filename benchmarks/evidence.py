@@ -272,7 +272,9 @@ def _sim_check_and_ceiling(data: Mapping[str, Any]) -> str:
     """:func:`_sim_check`, and the rollout-phase ceiling over sync at staleness <= 1 (verl_partial/sim/bound.py)."""
     from benchmarks.bench_peer import spread
 
-    return f"{_sim_check(data)}; ceiling at staleness <= 1: {spread(data['ceiling_vs_sync'])}x sync"
+    return (
+        f"{_sim_check(data)}; ceiling at staleness <= 1 (vLLM's prefix cache): {spread(data['ceiling_vs_sync'])}x sync"
+    )
 
 
 def _sim_check_table(data: Mapping[str, Any]) -> str:

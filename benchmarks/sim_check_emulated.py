@@ -191,7 +191,7 @@ def compare(results: dict[str, Any], engine: str, prompt_len: int) -> dict[str, 
 def table(report: dict[str, Any]) -> str:
     lines = [
         "| mode | measured rollout ms / trained token (rounds) | simulated, no prefix cache as the emulated engine "
-        "(seeds) | simulated / measured - 1 | simulated with vLLM's prefix cache: / measured - 1 | measured: engine "
+        "(seeds) | simulated / measured - 1 | with vLLM's prefix cache, simulated / measured - 1 | measured: engine "
         "busy share of the phase |",
         "|---|---:|---:|---:|---:|---:|",
     ]
@@ -209,7 +209,8 @@ def table(report: dict[str, Any]) -> str:
     if report.get("ceiling_vs_sync"):
         lines += [
             "",
-            f"Ceiling at staleness <= 1 (simulated, seeds {report['seeds'][0]}-{report['seeds'][-1]}; "
+            f"Ceiling at staleness <= 1 (simulated with vLLM's prefix cache, seeds {report['seeds'][0]}-"
+            f"{report['seeds'][-1]}; "
             "verl_partial/sim/bound.py: the longest answer's steps over the staleness window, and the work on one "
             f"server): no colocated schedule training `default`'s batches makes the rollout phase more than "
             f"{spread(report['ceiling_vs_sync'])}x faster than sync's.",

@@ -120,7 +120,7 @@ def test_goal_outcomes_pair_rounds_and_render_for_report_and_evidence(peer: Modu
     vs_sync = by_goal[("default", "v0_sync", "rollout")]
     assert vs_sync.values == pytest.approx((1.5, 1.5, 1.5)) and vs_sync.verdict() == "goal 1.8x not met"
     assert "1.50 (1.50-1.50)x over 3 round(s) -- goal 1.8x not met." in vs_sync.report_line()
-    assert vs_sync.report_line().startswith(f"- {peer.MODES['default'].label} against {peer.MODES['v0_sync'].label}")
+    assert vs_sync.report_line().startswith(f"- {peer.MODES['default'].label} vs {peer.MODES['v0_sync'].label}")
     assert vs_sync.short() == "`default` vs `v0_sync`, rollout phase (goal 1.8x): not met"
     assert by_goal[("default", "v1_async_bound", "rollout")].verdict().startswith("goal not shown: not measured")
     occupancy = by_goal[("default", None, "occupancy")]
