@@ -57,6 +57,7 @@ from benchmarks.bench_vllm_trainer import (
     Workload,
     build_assets,
     machine,
+    trained_steps,
     trainer_overrides,
 )
 from benchmarks.harness import (
@@ -74,6 +75,7 @@ from benchmarks.harness import (
 )
 from verl_partial.config.backend import EMULATE_GPU_ENV, ENGINE_STATS_DIR_ENV, EmulatedGpu
 from verl_partial.config.partial import PRESETS
+from verl_partial.sim.bound import StepCostFloor, phase_floor
 
 MODULE = "benchmarks.bench_peer"  # what Ray workers and verl's hooks import (not __name__: "__main__" under -m)
 START, END = "<!-- peer-benchmark:start -->", "<!-- peer-benchmark:end -->"
@@ -389,6 +391,15 @@ class RunFigures:
     round: int = 0  # speed-ups pair runs of the same round only
     occupancy: float | None = None  # None: the engine exposes no counters
     probe_s: float | None = None  # the calibration probe before the run
+    floor_s: float | None = None  # emulated GPU only: :func:`staleness_floor` of the run's batches
+
+    @property
+    def occupancy_ceiling(self) -> float | None:
+        """The highest slot occupancy any schedule at staleness <= 1 could reach training these batches: the same
+        tokens in a phase no shorter than the floor."""
+        if self.occupancy is None or self.floor_s is None:
+            return None
+        return self.occupancy * self.gen_s / self.floor_s
 
     @property
     def gen_ms_per_token(self) -> float:
@@ -415,6 +426,17 @@ def _mean(steps: list[dict[str, Any]], key: str) -> float:
 
 def _max(steps: list[dict[str, Any]], key: str) -> float:
     return max((float(step[key]) for step in steps if key in step), default=float("nan"))
+
+
+def staleness_floor(run: dict[str, Any], wl: Workload, gpu: EmulatedGpu) -> float:
+    """Least mean rollout phase any colocated schedule at staleness <= 1 could take to train this run's measured
+    batches on the emulated GPU (verl_partial/sim/bound.py), from what every trainer logs: each step's longest and
+    mean trained answer, the rest spread evenly (attended tokens grow convexly with length, so that is the least
+    context those figures allow), and the shortest prompt. Prefill is left out: it holds with or without a prefix
+    cache."""
+    prompt = min(float(step["prompt_length/min"]) for step in measured_steps(run, wl.first_measured))
+    floors = StepCostFloor.of_server(gpu.server_spec(wl.slots))
+    return float(phase_floor(trained_steps(run, wl), int(prompt), floors, servers=1, max_staleness=1))
 
 
 def figures(run: dict[str, Any], wl: Workload, gpu: EmulatedGpu | None = None) -> RunFigures | None:
@@ -458,6 +480,7 @@ def figures(run: dict[str, Any], wl: Workload, gpu: EmulatedGpu | None = None) -
         round=int(run.get("round", 0)),
         occupancy=occupancy,
         probe_s=run.get("probe", {}).get("seconds"),
+        floor_s=None if gpu is None else staleness_floor(run, wl, gpu),
     )
 
 
@@ -481,6 +504,13 @@ def ratios(base: list[RunFigures], other: list[RunFigures], figure: str = "step"
     """``base``'s time per trained token over ``other``'s, round by round: above 1, ``other`` is faster."""
     attr = {"rollout": "gen_ms_per_token", "step": "step_ms_per_token"}[figure]
     return [getattr(b, attr) / getattr(o, attr) for b, o in same_round(base, other)]
+
+
+def ceiling_ratios(base: list[RunFigures], other: list[RunFigures]) -> list[float]:
+    """Round by round, the highest rollout-phase speed-up over ``base`` (per trained token) that any colocated
+    schedule at staleness <= 1 could reach training ``other``'s batches: ``base``'s phase over ``other``'s floor.
+    Empty where ``other`` has no floor (a measured engine)."""
+    return [b.gen_ms_per_token * o.tokens_trained / (1e3 * o.floor_s) for b, o in same_round(base, other) if o.floor_s]
 
 
 def speedup(base: list[RunFigures], other: list[RunFigures], figure: str = "step") -> str:
@@ -740,6 +770,9 @@ class GoalOutcome:
     figure: str
     goal: float
     values: tuple[float, ...]
+    # Round by round, the most any colocated schedule at staleness <= 1 could reach training ``ours``'s batches
+    # (emulated GPU only: the floor needs the engine's step-cost model; a goal above every round's is out of reach).
+    ceiling: tuple[float, ...] = ()
 
     @property
     def missing(self) -> str:
@@ -768,7 +801,11 @@ class GoalOutcome:
     def verdict(self, restate: bool = True) -> str:
         if self.missing:
             return f"goal not shown: {self.missing}"
-        return verdict(list(self.values), self.goal, self.unit, restate)
+        said = verdict(list(self.values), self.goal, self.unit, restate)
+        if not self.ceiling:
+            return said
+        reach = "out of reach, " if max(self.ceiling) < self.goal else ""
+        return f"{said}; {reach}ceiling at staleness <= 1 {spread(list(self.ceiling))}{self.unit}"
 
     def report_line(self) -> str:
         if self.missing:
@@ -786,12 +823,17 @@ def goal_outcomes(results: dict[str, Any], engine: str) -> list[GoalOutcome]:
     runs = by_mode(results, engine)
     outcomes = []
     for ours, against, figure, goal in GOALS.get(label_of(results, engine), ()):
+        mine = runs.get(ours, [])
+        ceiling: list[float] = []
         if against is None:
-            values = [r.occupancy for r in runs.get(ours, []) if r.occupancy is not None]
+            values = [r.occupancy for r in mine if r.occupancy is not None]
+            ceiling = [c for c in (r.occupancy_ceiling for r in mine) if c is not None]
         else:
             values = best_ratios(runs, against, figure) if ours == BEST else ratios(
-                runs.get(against, []), runs.get(ours, []), figure)  # fmt: skip
-        outcomes.append(GoalOutcome(ours, against, figure, goal, tuple(values)))
+                runs.get(against, []), mine, figure)  # fmt: skip
+            if figure == "rollout":  # the floor bounds the rollout phase only
+                ceiling = ceiling_ratios(runs.get(against, []), mine)
+        outcomes.append(GoalOutcome(ours, against, figure, goal, tuple(values), tuple(ceiling)))
     return outcomes
 
 

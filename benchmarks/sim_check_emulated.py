@@ -206,15 +206,6 @@ def table(report: dict[str, Any]) -> str:
             f"{spread(row['engine_busy_share']) if row['engine_busy_share'] else '-'} |"
         )
     lines += ["", *engine_table(report)]
-    if report.get("ceiling_vs_sync"):
-        lines += [
-            "",
-            f"Ceiling at staleness <= 1 (simulated with vLLM's prefix cache, seeds {report['seeds'][0]}-"
-            f"{report['seeds'][-1]}; "
-            "verl_partial/sim/bound.py: the longest answer's steps over the staleness window, and the work on one "
-            f"server): no colocated schedule training `default`'s batches makes the rollout phase more than "
-            f"{spread(report['ceiling_vs_sync'])}x faster than sync's.",
-        ]
     return "\n".join(lines)
 
 

@@ -20,7 +20,8 @@ def _run(mode: str, gen_s: float, step_s: float, mean_length: float, round_: int
     """A run record as run_mode stores it: step 1 (warm-up) is slow and must not count."""
     warmup = {"timing_s/gen": 100.0, "timing_s/step": 200.0, "response_length/mean": 1.0}
     measured = {"timing_s/gen": gen_s, "timing_s/step": step_s, "response_length/mean": mean_length,
-                "critic/score/mean": 0.5, **extra}  # fmt: skip
+                "response_length/max": 4 * mean_length, "prompt_length/min": 31, "critic/score/mean": 0.5,
+                **extra}  # fmt: skip
     return {"mode": mode, "returncode": 0, "peak_rss_bytes": 3 * 2**30, "round": round_,
             "steps": {"1": warmup, "2": measured, "3": measured}}  # fmt: skip
 
@@ -201,6 +202,52 @@ def test_occupancy_on_the_emulated_engine_is_one_formula_for_every_mode(peer: Mo
     got = peer.figures(_run("v1_sync", 2.0, 4.0, 50.0), wl, gpu)
     full = gpu.server_spec(wl.slots).step_seconds(wl.slots, wl.slots * (wl.max_prompt_length + wl.lengths.mean() / 2))
     assert got.occupancy == pytest.approx(64 * 50.0 * full / (wl.slots * 2.0))
+
+
+def test_ceilings_bound_every_schedule_and_call_a_goal_above_them_out_of_reach(peer: ModuleType) -> None:
+    """On the emulated GPU each goal of ``default`` carries the most any schedule at staleness <= 1 could reach on
+    its batches (the staleness floor, from what the trainer logged); a goal above it in every round is out of reach,
+    one below it is merely missed. No ceiling on a measured engine, which has no step-cost model."""
+    wl = peer.Workload(steps=3)
+    gpu = peer.EmulatedGpu.parse("H20/Qwen2.5-32B")
+    runs = [_emulated(_run("v0_sync", 30.0, 40.0, 50.0, r), 1000, 0) for r in range(3)]
+    # One answer of 1,000 tokens a step, mean 50: the longest answer's steps bound the phase, not the work.
+    runs += [_emulated(_run("default", 20.0, 25.0, 50.0, r, **{"response_length/max": 1000}), 1000, 0)
+             for r in range(3)]  # fmt: skip
+    results = {"workload": dataclasses.asdict(wl), "engines": EMULATED, "runs": runs}
+    default = peer.figures(runs[3], wl, gpu)
+    assert default.floor_s == pytest.approx(peer.staleness_floor(runs[3], wl, gpu))
+    assert 0 < default.floor_s < default.gen_s
+    by_goal = {(o.ours, o.against, o.figure): o for o in peer.goal_outcomes(results, "cpu")}
+    vs_sync, occupancy = by_goal["default", "v0_sync", "rollout"], by_goal["default", None, "occupancy"]
+    assert vs_sync.ceiling == pytest.approx((30.0 / default.floor_s,) * 3)
+    assert occupancy.ceiling == pytest.approx((default.occupancy * 20.0 / default.floor_s,) * 3)
+    assert min(vs_sync.ceiling) > vs_sync.goal and max(occupancy.ceiling) < occupancy.goal
+    assert vs_sync.verdict().startswith("goal 1.8x not met; ceiling at staleness <= 1 ")
+    assert "not met; out of reach, ceiling at staleness <= 1 0." in occupancy.short()
+    assert by_goal[peer.BEST, "v1_async_bound", "rollout"].ceiling == ()
+    measured = {**results, "engines": {"cpu": {"label": "emulated"}}}
+    assert all(not o.ceiling for o in peer.goal_outcomes(measured, "cpu"))
+
+
+def test_the_floor_from_logged_summaries_stays_under_the_floor_of_the_true_lengths(peer: ModuleType) -> None:
+    """The trainer logs a step's longest and mean answer, not every length: spreading the rest evenly attends to the
+    fewest tokens those allow, so the floor read from the logs never exceeds the floor of the batches trained."""
+    import numpy as np
+
+    from verl_partial.sim.bound import StepCostFloor, phase_floor
+
+    wl = peer.Workload(steps=6)
+    gpu = peer.EmulatedGpu.parse("H20/Qwen2.5-32B")
+    floors = StepCostFloor.of_server(gpu.server_spec(wl.slots))
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        lengths = [rng.integers(1, 4096, size=wl.prompts * wl.n) for _ in range(wl.steps)]
+        steps = {str(i + 1): {"timing_s/gen": 1.0, "response_length/mean": float(x.mean()),
+                              "response_length/max": float(x.max()), "prompt_length/min": 31}
+                 for i, x in enumerate(lengths)}  # fmt: skip
+        true = phase_floor(lengths[wl.first_measured - 1 :], 31, floors, servers=1, max_staleness=1)
+        assert peer.staleness_floor({"steps": steps}, wl, gpu) <= true * (1 + 1e-9)
 
 
 def test_the_best_of_our_bounded_modes_is_taken_round_by_round(peer: ModuleType) -> None:
