@@ -181,6 +181,16 @@ MODES: dict[str, PeerMode] = {
             "default",
             overrides=("partial.kv_tokens_per_server=off",),
         ),
+        # Calls per server capped near the emulated H20's compute knee: above about 26 running requests a bf16
+        # decode step costs compute, not the weights' read, so the phase start's burst takes time that the tail's
+        # half-empty steps could have absorbed. The simulator's best cap on the peer workload (24-32 about level).
+        PeerMode(
+            "default_knee",
+            "ours `+partial=default`, 28 calls per server (the H20's compute knee)",
+            "v0",
+            "default",
+            overrides=("partial.max_calls_per_server=28",),
+        ),
         PeerMode("on_policy", "ours `+partial=on_policy`", "v0", "on_policy"),
         PeerMode("kimi", "ours `+partial=kimi`", "v0", "kimi"),
         PeerMode("restart", "ours `+partial=restart`", "v0", "restart"),
