@@ -115,6 +115,10 @@ EMULATE_OVERRIDE = f"ray_kwargs.ray_init.runtime_env.env_vars.{EMULATE_GPU_ENV}"
 # A run whose engine overran its modelled step in this share of steps or more gives no emulated figure.
 MAX_OVERRUN_FRACTION = 0.01
 FIGURES = {"rollout": "rollout phase", "step": "whole step", "occupancy": "slot occupancy"}
+# Calls per server near the emulated H20's compute knee: above about 26 running requests a bf16 decode step costs
+# compute, not the weights' read, so the phase start's burst takes time the tail's half-empty steps could have
+# absorbed. The simulator's best cap on the peer workload (24-32 about level; 16 much worse).
+KNEE_CALLS = 28
 
 
 def _fast_poll(class_name: str) -> tuple[str, ...]:
@@ -181,15 +185,12 @@ MODES: dict[str, PeerMode] = {
             "default",
             overrides=("partial.kv_tokens_per_server=off",),
         ),
-        # Calls per server capped near the emulated H20's compute knee: above about 26 running requests a bf16
-        # decode step costs compute, not the weights' read, so the phase start's burst takes time that the tail's
-        # half-empty steps could have absorbed. The simulator's best cap on the peer workload (24-32 about level).
         PeerMode(
             "default_knee",
-            "ours `+partial=default`, 28 calls per server (the H20's compute knee)",
+            f"ours `+partial=default`, {KNEE_CALLS} calls per server (the H20's compute knee)",
             "v0",
             "default",
-            overrides=("partial.max_calls_per_server=28",),
+            overrides=(f"partial.max_calls_per_server={KNEE_CALLS}",),
         ),
         PeerMode("on_policy", "ours `+partial=on_policy`", "v0", "on_policy"),
         PeerMode("kimi", "ours `+partial=kimi`", "v0", "kimi"),

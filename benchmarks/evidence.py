@@ -218,21 +218,39 @@ def _peer_kv(data: Mapping[str, Any]) -> str:
     return "; ".join(parts) + f"; slot occupancy {occupancy}; preemptions per run {preempted}"
 
 
+def _versus(data: Mapping[str, Any], ours: str, bases: tuple[str, ...]) -> list[str]:
+    """``ours`` against each of ``bases`` per trained token, paired by round: rollout phase and whole step."""
+    from benchmarks.bench_peer import by_mode, speedup
+
+    runs = by_mode(dict(data), _peer_engine(data))
+    return [
+        f"`{ours}` vs {base}: rollout phase {speedup(runs[base], runs[ours], 'rollout')}, whole step "
+        f"{speedup(runs[base], runs[ours], 'step')}"
+        for base in bases
+    ]
+
+
 def _peer_scoring(data: Mapping[str, Any]) -> str:
     """Since rewards are computed while the step generates: ``default`` against v1 colocate_async and v0 sync per
     trained token, paired by round, and the share of the rollout phase each engine was busy (the rest idles)."""
-    from benchmarks.bench_peer import by_mode, speedup
+    from benchmarks.bench_peer import by_mode
     from benchmarks.sim_check_emulated import busy_share
 
     engine = _peer_engine(data)
-    runs = by_mode(dict(data), engine)
-    parts = [
-        f"`default` vs {base}: rollout phase {speedup(runs[base], runs['default'], 'rollout')}, whole step "
-        f"{speedup(runs[base], runs['default'], 'step')}"
-        for base in ("v1_async_bound", "v0_sync")
-    ]
-    busy = ", ".join(f"{name} {_span(busy_share(dict(data), engine, name), '.2f')}" for name in runs)
-    return "; ".join(parts) + f"; engine busy share of the phase {busy}"
+    modes = by_mode(dict(data), engine)
+    busy = ", ".join(f"{name} {_span(busy_share(dict(data), engine, name), '.2f')}" for name in modes)
+    versus = _versus(data, "default", ("v1_async_bound", "v0_sync"))
+    return "; ".join(versus) + f"; engine busy share of the phase {busy}"
+
+
+def _peer_knee(data: Mapping[str, Any]) -> str:
+    """Calls per server capped at the emulated GPU's compute knee: against ``default`` and v0 sync, paired by round,
+    with slot occupancy."""
+    from benchmarks.bench_peer import by_mode
+
+    runs = by_mode(dict(data), _peer_engine(data))
+    occupancy = ", ".join(f"{name} {_span([r.occupancy for r in runs[name]], '.2f')}" for name in runs)
+    return "; ".join(_versus(data, "default_knee", ("default", "v0_sync"))) + f"; slot occupancy {occupancy}"
 
 
 def _peer_tail(data: Mapping[str, Any]) -> str:

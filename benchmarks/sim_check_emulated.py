@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._machine import git_commit, machine
-from benchmarks.bench_peer import MODES, by_mode, emulated_gpu, merge_results, overran, usable, workload_of
+from benchmarks.bench_peer import KNEE_CALLS, MODES, by_mode, emulated_gpu, merge_results, overran, usable, workload_of
 from verl_partial.config.partial import PRESETS, PartialConfig
 from verl_partial.sim.run import ceiling, mode_configs, simulate
 from verl_partial.sim.workload import Workload as SimWorkload
@@ -52,6 +52,7 @@ def sim_configs(batch: int) -> dict[str, PartialConfig]:
         "default_by_groups": dataclasses.replace(default, fill_engine=False),
         "default_extra": dataclasses.replace(default, refill=False, extra_groups=batch),
         "default_kv_off": dataclasses.replace(default, kv_tokens_per_server="off"),
+        "default_knee": dataclasses.replace(default, max_calls_per_server=KNEE_CALLS),
         **{name: modes[name] for name in ("on_policy", "kimi", "restart") if name in PRESETS},
     }
 

@@ -28,6 +28,26 @@ def test_each_mode_is_the_config_the_trainer_ran(check: ModuleType) -> None:
     assert (sync.extra_groups, sync.refill, sync.fill_engine, sync.kv_tokens_per_server) == (0, False, False, "off")
 
 
+def test_every_override_a_peer_mode_gives_our_preset_is_what_the_simulator_runs(
+    check: ModuleType, bench_module: Callable[[str], ModuleType]
+) -> None:
+    """The simulator's configs are written by hand beside bench_peer's overrides: each ``partial.<key>=<value>`` a
+    mode passes must be the value its simulated config holds, and its preset the one it starts from."""
+    peer = bench_module("bench_peer")
+    modes = check.sim_configs(peer.Workload().prompts)
+    for name, mode in peer.MODES.items():
+        if mode.partial is None or name not in modes:
+            continue
+        for override in mode.overrides:
+            key, _, value = override.partition("=")
+            assert key.startswith("partial."), override
+            assert str(getattr(modes[name], key.removeprefix("partial."))).lower() == value, (name, override)
+        untouched = {f.name for f in dataclasses.fields(PRESETS[mode.partial])} - {
+            o.partition("=")[0].removeprefix("partial.") for o in mode.overrides} - {"request_timeout_s"}  # fmt: skip
+        for field in untouched:
+            assert getattr(modes[name], field) == getattr(PRESETS[mode.partial], field), (name, field)
+
+
 def test_the_busy_share_reads_every_step_of_usable_runs_that_fit(check: ModuleType) -> None:
     steps = {str(i): {"timing_s/gen": 2.0} for i in range(1, 4)}
     run = {"engine": "cpu", "mode": "default", "returncode": 0, "steps": steps,
