@@ -123,20 +123,25 @@ def _record_threads(folder: Path, period_s: float = 5.0) -> None:
     the worker ran on (verl may set torch's thread count after this hook)."""
     folder.mkdir(parents=True, exist_ok=True)
 
-    def write() -> None:
-        import torch
-
-        record = {"pid": os.getpid(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-                  "torch_threads": torch.get_num_threads(), "argv": " ".join(sys.argv)[:200]}  # fmt: skip
-        (folder / f"{os.getpid()}.json").write_text(json.dumps(record) + "\n")
-
     def loop() -> None:
         while True:
-            write()
             time.sleep(period_s)
+            write_thread_record(folder)
 
-    write()
+    write_thread_record(folder)
     threading.Thread(target=loop, daemon=True, name="bench-threads").start()
+
+
+def write_thread_record(folder: Path) -> None:
+    """This process's threads as ``folder/<pid>.json``, written aside and renamed: Ray kills workers at shutdown,
+    and one killed inside a plain write left an empty record that lost a 45-minute run when the harness read it."""
+    import torch
+
+    record = {"pid": os.getpid(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+              "torch_threads": torch.get_num_threads(), "argv": " ".join(sys.argv)[:200]}  # fmt: skip
+    aside = folder / f".{os.getpid()}.json.tmp"
+    aside.write_text(json.dumps(record) + "\n")
+    os.replace(aside, folder / f"{os.getpid()}.json")
 
 
 def worker_threads(run_dir: Path) -> list[dict[str, Any]]:

@@ -197,3 +197,26 @@ def _child_try(harness: ModuleType, env: dict[str, str]) -> str:
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
+
+
+def test_a_worker_killed_while_recording_its_threads_leaves_no_unreadable_record(
+    harness: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ray kills workers at shutdown; one killed inside a plain write left an empty ``<pid>.json`` and the harness
+    lost a finished 45-minute run reading it. Here the second write dies after truncating its file: the record read
+    back is still the first, whole."""
+    folder = tmp_path / "run" / "threads"
+    folder.mkdir(parents=True)
+    harness.write_thread_record(folder)
+
+    def killed(path: Path, text: str) -> None:
+        path.open("w").close()  # truncated, then the process is gone
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_text", killed)
+    with pytest.raises(KeyboardInterrupt):
+        harness.write_thread_record(folder)
+    monkeypatch.undo()
+    records = harness.worker_threads(tmp_path / "run")
+    assert [record["pid"] for record in records] == [os.getpid()]
+    assert records[0]["torch_threads"] >= 1
