@@ -243,16 +243,6 @@ def _peer_scoring(data: Mapping[str, Any]) -> str:
     return "; ".join(versus) + f"; engine busy share of the phase {busy}"
 
 
-def _peer_knee(data: Mapping[str, Any]) -> str:
-    """Calls per server capped at the emulated GPU's compute knee: against ``default`` and v0 sync, paired by round,
-    with slot occupancy."""
-    from benchmarks.bench_peer import by_mode
-
-    runs = by_mode(dict(data), _peer_engine(data))
-    occupancy = ", ".join(f"{name} {_span([r.occupancy for r in runs[name]], '.2f')}" for name in runs)
-    return "; ".join(_versus(data, "default_knee", ("default", "v0_sync"))) + f"; slot occupancy {occupancy}"
-
-
 def _peer_tail(data: Mapping[str, Any]) -> str:
     """The length-aware presets against v0 sync, per trained token, and what their windows do to trained lengths."""
     from benchmarks.bench_peer import PRESETS_WINDOW, by_mode, speedup, spread, window_length_ratios
