@@ -533,12 +533,13 @@ def trainer_floors(runs: list[dict[str, Any]], steps: int = STRETCH_STEPS) -> li
     return StepCostFloor.under_measured_steps(points, max_requests=64) if points else []
 
 
-def _per_step(run: dict[str, Any], wl: Workload) -> list[dict[str, Any]]:
-    return [data for step, data in run["steps"].items() if int(step) >= wl.first_measured and "timing_s/gen" in data]
+def measured_steps(run: dict[str, Any], first: int) -> list[dict[str, Any]]:
+    """The run's steps from ``first`` on that logged a rollout phase: the steps every figure is read from."""
+    return [data for step, data in run["steps"].items() if int(step) >= first and "timing_s/gen" in data]
 
 
 def summarise(run: dict[str, Any], wl: Workload) -> dict[str, float]:
-    steps = _per_step(run, wl)
+    steps = measured_steps(run, wl.first_measured)
     samples = wl.prompts * wl.n
     gen = [float(s["timing_s/gen"]) for s in steps]
     out = {"measured_steps": len(steps), "gen_s": statistics.fmean(gen) if gen else float("nan")}
@@ -601,7 +602,7 @@ def trained_steps(run: dict[str, Any], wl: Workload) -> list[np.ndarray]:
     /mean). The step floors of :func:`step_floors` depend on nothing else (no per-context or KV term)."""
     samples = wl.prompts * wl.n
     out = []
-    for data in _per_step(run, wl):
+    for data in measured_steps(run, wl.first_measured):
         longest, total = float(data["response_length/max"]), float(data["response_length/mean"]) * samples
         out.append(np.array([longest, *[(total - longest) / (samples - 1)] * (samples - 1)]))
     return out
@@ -616,7 +617,8 @@ def ceiling(sync: dict[str, Any], run: dict[str, Any], wl: Workload, floors: lis
         raise ValueError(f"prompts of up to {wl.max_prompt_length} tokens may share cached blocks; the prefill term "
                          "assumes none")  # fmt: skip
     samples = wl.prompts * wl.n
-    prompts = statistics.fmean(float(data["prompt_length/mean"]) * samples for data in _per_step(run, wl))
+    steps = measured_steps(run, wl.first_measured)
+    prompts = statistics.fmean(float(data["prompt_length/mean"]) * samples for data in steps)
     floor = phase_floor(trained_steps(run, wl), 0, floors, servers=1, max_staleness=lag, prompt_tokens=prompts)
     return summarise(sync, wl)["gen_s"] / floor
 
@@ -630,7 +632,7 @@ def phase_table(runs: list[dict[str, Any]], floors: list[StepCostFloor], wl: Wor
              "prefilled | floor of those steps s | busy above the floor s |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
     for run in runs:
-        phases, steps = run.get("engine_steps", []), _per_step(run, wl)
+        phases, steps = run.get("engine_steps", []), measured_steps(run, wl.first_measured)
         if not steps or len(phases) != len(run["steps"]):
             continue  # no record, or phases that cannot be matched to the trainer's steps one to one
         rows = []

@@ -213,9 +213,13 @@ def _peer_kv(data: Mapping[str, Any]) -> str:
             f"`default` vs v1_async_bound ({len(v1)} round(s)): rollout phase "
             f"{speedup(v1, runs['default'], 'rollout')}, whole step {speedup(v1, runs['default'], 'step')}"
         )
-    occupancy = ", ".join(f"{name} {statistics.fmean(r.occupancy for r in runs[name]):.2f}" for name in runs)
     preempted = ", ".join(f"{name} {_span(values, ',.0f')}" for name, values in preemptions.items())
-    return "; ".join(parts) + f"; slot occupancy {occupancy}; preemptions per run {preempted}"
+    return "; ".join(parts) + f"; slot occupancy {_occupancy(runs)}; preemptions per run {preempted}"
+
+
+def _occupancy(runs: Mapping[str, list[Any]]) -> str:
+    """Each mode's mean slot occupancy over its rounds."""
+    return ", ".join(f"{name} {statistics.fmean(r.occupancy for r in figures):.2f}" for name, figures in runs.items())
 
 
 def _versus(data: Mapping[str, Any], ours: str, bases: tuple[str, ...]) -> list[str]:
@@ -230,17 +234,16 @@ def _versus(data: Mapping[str, Any], ours: str, bases: tuple[str, ...]) -> list[
     ]
 
 
-def _peer_scoring(data: Mapping[str, Any]) -> str:
-    """Since rewards are computed while the step generates: ``default`` against v1 colocate_async and v0 sync per
-    trained token, paired by round, and the share of the rollout phase each engine was busy (the rest idles)."""
+def _peer_knee(data: Mapping[str, Any]) -> str:
+    """``default`` with its calls per server capped at the emulated GPU's compute knee, and ``default`` itself,
+    against v1 colocate_async per trained token, paired by round (against v0 sync: the goal lines of
+    ``peer-emulated``), and each mode's slot occupancy."""
     from benchmarks.bench_peer import by_mode
-    from benchmarks.sim_check_emulated import busy_share
 
-    engine = _peer_engine(data)
-    modes = by_mode(dict(data), engine)
-    busy = ", ".join(f"{name} {_span(busy_share(dict(data), engine, name), '.2f')}" for name in modes)
-    versus = _versus(data, "default", ("v1_async_bound", "v0_sync"))
-    return "; ".join(versus) + f"; engine busy share of the phase {busy}"
+    versus = _versus(data, "default_knee", ("default", "v1_async_bound")) + _versus(
+        data, "default", ("v1_async_bound",)
+    )
+    return "; ".join(versus) + f"; slot occupancy {_occupancy(by_mode(dict(data), _peer_engine(data)))}"
 
 
 def _peer_tail(data: Mapping[str, Any]) -> str:
@@ -367,10 +370,9 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="peer-emulated",
-        claim="every mode through verl's trainers (v1: sync and colocate_async at our bound and at verl's defaults, "
-        "each also with a 0.05 s poll) on our CPU engine emulating 32B on one H20; issue 25's goals per trained "
-        "token, verdicts from the paired per-round figures below; a ceiling is the most any colocated schedule at "
-        "staleness <= 1 could reach on `default`'s batches (verl_partial/sim/bound.py, from the logged lengths)",
+        claim="every mode through verl's trainers (v1's also with a 0.05 s poll) on our CPU engine emulating 32B on "
+        "one H20; issue 25's goals per trained token, paired by round; a ceiling: the most any colocated schedule "
+        "at staleness <= 1 could reach on `default`'s batches (verl_partial/sim/bound.py)",
         source="peer_emulated.json",
         label="emulated",
         value=_peer_goals,
@@ -378,12 +380,13 @@ FIGURES: tuple[Figure, ...] = (
         image="img/peer_emulated.png",
     ),
     Figure(
-        id="peer-emulated-scoring",
-        claim="the same workload and harness after rewards moved into the step, as in verl's loops: three of its "
-        "modes, 3 rounds",
-        source="peer_emulated_scoring.json",
+        id="peer-emulated-knee",
+        claim="the same workload and harness, rewards computed in the step; `default_knee`: "
+        "`partial.max_calls_per_server=28`, near the H20's compute knee (past it, requests add step time, not "
+        "throughput)",
+        source="peer_emulated_knee.json",
         label="emulated",
-        value=_peer_scoring,
+        value=_peer_knee,
     ),
     Figure(
         id="peer-vllm-cpu",
@@ -408,8 +411,7 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         id="peer-emulated-fill",
         claim="the same engine and harness on a server that never fills (256 slots for 64 samples a step): "
-        "`+partial=default` (`fill_engine`) against the same preset admitting by finished groups, per trained token, "
-        "paired by round",
+        "`+partial=default` (`fill_engine`) against the same preset admitting by finished groups",
         source="peer_emulated_fill.json",
         label="emulated",
         value=_peer_fill,
@@ -425,11 +427,11 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="sim-fill-engine",
-        claim="`+partial=default` against itself with `fill_engine=false` and with "
-        "`kv_tokens_per_server=off`, and against sync: the real scheduler over the simulator's vLLM "
-        "servers, rollout phase per trained token, seeds 0-2; 7B on H100s (256 slots; lengths median 1,000, p99/p50 "
-        "8) that never fill (32 x 8 samples, 2 servers) and that queue (64 x 8, 1 server); 32B on H20s (256 slots, "
-        "33,569 KV tokens each; median 2,048, cap 16,384; 64 x 16 on 8 servers), where vLLM preempts",
+        claim="`+partial=default` against itself with `fill_engine=false` and `kv_tokens_per_server=off`, and "
+        "against sync: the real scheduler over simulated vLLM servers, rollout phase per trained token, seeds 0-2; "
+        "7B on H100s (256 slots; median 1,000, p99/p50 8) never filling (32 x 8, 2 servers) and queueing (64 x 8, "
+        "1 server); 32B on H20s (256 slots, 33,569 KV tokens; median 2,048, cap 16,384; 64 x 16, 8 servers), "
+        "preempting",
         source="sim_fill_engine.json",
         label="simulated",
         value=_sim_fill,
@@ -437,8 +439,7 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         id="sim-vs-emulated",
         claim="the simulator (parameters frozen, seeds 0-4) beside the emulated engine, peer workload, rollout phase "
-        "per trained token: it checks the scheduler model, not the GPU curve both share; first without a prefix "
-        "cache, as the emulated engine runs",
+        "per trained token: a check of the scheduler model, not of the GPU curve both share",
         source="sim_check_emulated.json",
         label="simulated",
         value=_sim_check,
@@ -446,8 +447,15 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="sim-vs-emulated-kv",
-        claim="the same check on `peer-emulated-kv`'s workload (the simulator's servers hold the H20's KV cache)",
+        claim="the same check on `peer-emulated-kv`'s runs, the simulator's servers holding the H20's KV cache",
         source="sim_check_production_kv.json",
+        label="simulated",
+        value=_sim_check,
+    ),
+    Figure(
+        id="sim-vs-emulated-knee",
+        claim="the same check on `peer-emulated-knee`'s runs (the simulator has no model of v1)",
+        source="sim_check_knee.json",
         label="simulated",
         value=_sim_check,
     ),

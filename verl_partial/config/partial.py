@@ -106,7 +106,8 @@ class PartialConfig:
 
     max_calls_per_server: int = 512
     """Most outstanding generate calls per server; keep it below the server actor's Ray ``max_concurrency`` (1000 in
-    verl) so abort/resume/sleep always find a free slot."""
+    verl) so abort/resume/sleep always find a free slot. Lower it to a compute-bound GPU's knee (the partial-rollout
+    guide, "Where it gains")."""
 
     kv_tokens_per_server: int | KvCacheSource = "auto"
     """Tokens of KV cache per server. A server gets at most this over the mean context (prompt + response) of the
