@@ -381,12 +381,13 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="peer-emulated-knee",
-        claim="the same workload and harness, rewards computed in the step; `default_knee`: "
+        claim="the same workload and harness, rewards scored during the step; `default_knee`: "
         "`partial.max_calls_per_server=28`, near the H20's compute knee (past it, requests add step time, not "
         "throughput)",
         source="peer_emulated_knee.json",
         label="emulated",
         value=_peer_knee,
+        image="img/peer_emulated_knee.png",
     ),
     Figure(
         id="peer-vllm-cpu",
@@ -454,7 +455,7 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="sim-vs-emulated-knee",
-        claim="the same check on `peer-emulated-knee`'s runs (the simulator has no model of v1)",
+        claim="the same check on `peer-emulated-knee`'s runs (v1: not in the simulator)",
         source="sim_check_knee.json",
         label="simulated",
         value=_sim_check,
