@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import selectors
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +14,7 @@ from verl_partial.core.partial.finish import Finish
 from verl_partial.sim.cli import main
 from verl_partial.sim.clock import run_virtual
 from verl_partial.sim.engine import ServerSpec, SimServer, lognormal_sigma
-from verl_partial.sim.hardware import H20, H100_SXM, QWEN25_7B, QWEN25_32B, Efficiency, GpuSpec
+from verl_partial.sim.hardware import H20, H100_SXM, QWEN25_7B, QWEN25_32B, Efficiency, GpuSpec, ModelSpec
 from verl_partial.sim.run import mode_configs, simulate
 from verl_partial.sim.stats import ks_distance
 from verl_partial.sim.workload import Workload
@@ -273,3 +275,19 @@ def test_ks_distance_is_the_largest_cdf_gap_with_ties_counted_once():
     assert ks_distance(a, b) == ks_distance(b, a) == pytest.approx(0.25)
     assert ks_distance(a, a.copy()) == 0.0
     assert ks_distance(np.array([1, 1]), np.array([5, 6, 7])) == 1.0
+
+
+@pytest.mark.parametrize("model", [QWEN25_7B, QWEN25_32B], ids=lambda m: m.name)
+def test_the_partial_rollout_guides_compute_knees_are_the_simulators(model: ModelSpec) -> None:
+    """The guide tells users to cap calls per server near the GPU's compute knee and names it per GPU: those figures
+    must be where the simulator's linear layers turn compute-bound (any model: both terms scale with the weights)."""
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "partial-rollout.md").read_text()
+    stated = re.search(r"(\d+) on an H20, (\d+) on an H100", " ".join(guide.split()))
+    assert stated, "the guide no longer names the H20's and H100's compute knees"
+
+    def knee(gpu: GpuSpec) -> int:
+        spec = ServerSpec(gpu, model, tp=2)  # 32B needs two H100s; tensor parallelism divides both terms alike
+        bound = spec.step_seconds(1, 0)  # no context: the weights' read, flat until compute overtakes it
+        return next(n for n in range(1, 4096) if spec.step_seconds(n + 1, 0) > bound)
+
+    assert (knee(H20), knee(H100_SXM)) == (int(stated.group(1)), int(stated.group(2)))
