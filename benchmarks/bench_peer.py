@@ -878,15 +878,16 @@ def header(results: dict[str, Any], command: bool = True) -> str:
         f", Python {m['python']}, {m['packages']}, {results.get('transfer_queue', '')}; verl-partial "
         f"{checkouts(results) or '?'}. Command: `{results['command']}`"
     )
+    machine_text = f"{m['cpu']}, {m['cores']} cores"  # the page dates each figure already
+    run = f"Run {m['date']} on {machine_text}{software}" if command else machine_text
     return (
-        f"Run {m['date']} on {m['cpu']}, {m['cores']} cores{software if command else ''}. Engines: {engines}. "
-        + f"Model: random Qwen2, {results['parameters'] / 1e6:.1f} M parameters, "
-        f"fp32; {wl['prompts']} prompts x n = {wl['n']} per step, {wl['slots']} engine slots; lengths lognormal "
+        f"{run}. Engines: {engines}. " + f"Random Qwen2 ({results['parameters'] / 1e6:.1f} M parameters, "
+        f"fp32); {wl['prompts']} x {wl['n']} samples a step, {wl['slots']} engine slots; lengths lognormal "
         f"(median {wl['lengths']['median']:g}, sigma {wl['lengths']['sigma']:g}, cap {wl['lengths']['cap']}), imposed, "
         f"{_length_history(results)}. "
         f"{wl['steps']} steps per run, steps >= {wl['first_measured']} measured; benchmarks/harness.py: one lock, "
-        f"{results.get('threads', '?')} threads a process, {results['rounds']} interleaved round(s), min-max, paired "
-        f"by round, {rejected} busy run(s) rejected."
+        f"{results.get('threads', '?')} threads a process, {results['rounds']} interleaved round(s) (min-max, "
+        f"paired), {rejected} busy run(s) rejected."
         + (
             " SMOKE RUN: below the harness minimum (3 rounds, 10 measured steps), not evidence."
             if smoke(results)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from collections.abc import Callable, Mapping
@@ -74,6 +75,15 @@ def provenance(data: Mapping[str, Any]) -> Provenance | None:
 
     commit = checkouts(data) or data.get("commit") or config.get("commit")
     return Provenance(date=str(date)[:10], command=str(command), commit=str(commit) if commit else None)
+
+
+# Where a run wrote its files: the reader picks their own, and the source line names the results file.
+_OUTPUT_FLAG = re.compile(r"\s--(?:json|work-dir|out|plot|lock)(?:=|\s+)\S+")
+
+
+def shown_command(command: str) -> str:
+    """The command as the page shows it: without the flags that only say where the run wrote its files."""
+    return _OUTPUT_FLAG.sub("", command)
 
 
 def _modes(data: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -270,6 +280,12 @@ def _sim_fill(data: Mapping[str, Any]) -> str:
     return summary(list(data["rows"]))
 
 
+def _sim_knee(data: Mapping[str, Any]) -> str:
+    from benchmarks.sim_knee import summary
+
+    return summary(list(data["rows"]), dict(data["knees"]))
+
+
 def _sim_check(data: Mapping[str, Any]) -> str:
     """How many modes the simulator predicts within 10 %, and its largest miss: like for like (no prefix cache, as
     the emulated engine runs), then with vLLM's prefix cache (the simulator as frozen)."""
@@ -319,8 +335,8 @@ FIGURES: tuple[Figure, ...] = (
         id="gpu-h100-rollout",
         claim="our PyTorch engine (not vLLM), one H100, random 1.1B Llama in bf16, 256 slots, 128 or 256 requests a "
         "step, imposed answers (median 64, p99/p50 8, cap 512), modes interleaved by step, 2 runs of 8 steps (one "
-        "at 256 cut to 4): rollout phase per trained token against sync, and slot occupancy, min-max over runs; "
-        "`tail`'s history is one earlier epoch, not an oracle",
+        "at 256 cut to 4), min-max: rollout phase per trained token against sync, slot occupancy; `tail`'s "
+        "history: one earlier epoch",
         source="gpu_engine_curve_h100.jsonl",
         label="measured",
         value=lambda data: (
@@ -411,8 +427,8 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="peer-emulated-fill",
-        claim="the same engine and harness on a server that never fills (256 slots for 64 samples a step): "
-        "`+partial=default` (`fill_engine`) against the same preset admitting by finished groups",
+        claim="the same engine and harness, a server that never fills (256 slots, 64 samples a step): "
+        "`+partial=default` (`fill_engine`) against admission by finished groups",
         source="peer_emulated_fill.json",
         label="emulated",
         value=_peer_fill,
@@ -436,6 +452,15 @@ FIGURES: tuple[Figure, ...] = (
         source="sim_fill_engine.json",
         label="simulated",
         value=_sim_fill,
+    ),
+    Figure(
+        id="sim-knee",
+        claim="`+partial=default` with calls per server capped at the compute knee and at half of it, against "
+        "uncapped and sync: the real scheduler, one simulated 256-slot vLLM server per GPU; 7B, 64 x 8 samples "
+        "queueing (median 1,000, p99/p50 8), seeds 0-2",
+        source="sim_knee.json",
+        label="simulated",
+        value=_sim_knee,
     ),
     Figure(
         id="sim-vs-emulated",
@@ -483,15 +508,13 @@ _UNEQUAL_HARNESS = "unequal harness: some modes trained on 1 torch thread of 2 (
 
 WITHDRAWN: tuple[Withdrawn, ...] = (
     Withdrawn(
-        figure="every speed-up of these runs, e.g. `default` 1.13x v0 sync and 0.95x v1 colocate_async (rollout "
-        "phase per trained token)",
+        figure="every speed-up of these runs, e.g. `default` 1.13x v0 sync and 0.95x v1 colocate_async",
         sources=("peer.json", "peer_round1.json", "peer_rounds23.json", "vllm_trainer*.json"),
         script="benchmarks/bench_peer.py, benchmarks/bench_vllm_trainer.py",
         why=_UNEQUAL_HARNESS,
     ),
     Withdrawn(
-        figure="H200, our engine, 256 in flight: `default` 1.31x, `tail` 1.51x sync per trained token; occupancy "
-        "0.18-0.28",
+        figure="H200, our engine, 256 in flight: `default` 1.31x, `tail` 1.51x sync",
         sources=("gpu_engine_curve_h200.jsonl",),
         script="benchmarks/gpu_engine_curve.py",
         why="before `partial.fill_engine`; re-measured on an H100",
@@ -573,7 +596,7 @@ def render() -> str:
         "# Evidence",
         "",
         "Current figures, each once, written from `benchmarks/results/` by `python -m benchmarks.evidence` (do not",
-        "edit by hand). Date, command and commit come from each results file.",
+        "edit by hand). Date, command (output paths left out) and commit come from each results file.",
         "",
         "## Figures",
         "",
@@ -585,7 +608,7 @@ def render() -> str:
         else:
             where = [
                 f"- source: `benchmarks/results/{figure.source}`, commit: {origin.commit or 'not recorded'}",
-                f"- command: `{origin.command}`",
+                f"- command: `{shown_command(origin.command)}`",
             ]
             previous = figure
         out += [

@@ -17,10 +17,12 @@ import dataclasses
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from benchmarks._machine import git_commit, machine
+from verl_partial.config.partial import PartialConfig
 from verl_partial.sim.engine import ServerSpec
 from verl_partial.sim.hardware import GPUS, MODELS
 from verl_partial.sim.run import mode_configs, simulate
@@ -53,18 +55,26 @@ SHAPES = (
 )
 
 
-def measure() -> list[dict[str, Any]]:
+def admission_configs(shape: Shape, spec: ServerSpec) -> dict[str, PartialConfig]:
+    """Sync, ``default``, and ``default`` with admission by finished groups and with the KV cap off."""
+    modes = mode_configs(shape.batch)
+    return {
+        "sync": modes["sync"],
+        "default": modes["default"],
+        "default_by_groups": dataclasses.replace(modes["default"], fill_engine=False),
+        "default_kv_off": dataclasses.replace(modes["default"], kv_tokens_per_server="off"),
+    }
+
+
+def measure(
+    shapes: tuple[Shape, ...] = SHAPES,
+    configs_of: Callable[[Shape, ServerSpec], dict[str, PartialConfig]] = admission_configs,
+) -> list[dict[str, Any]]:
+    """Each shape's modes (``configs_of`` names them) over :data:`SEEDS`, rollout phase per trained token."""
     rows = []
-    for shape in SHAPES:
+    for shape in shapes:
         spec = ServerSpec(gpu=GPUS[shape.gpu], model=MODELS[shape.model], max_num_seqs=256)
-        modes = mode_configs(shape.batch)
-        configs = {
-            "sync": modes["sync"],
-            "default": modes["default"],
-            "default_by_groups": dataclasses.replace(modes["default"], fill_engine=False),
-            "default_kv_off": dataclasses.replace(modes["default"], kv_tokens_per_server="off"),
-        }
-        for name, config in configs.items():
+        for name, config in configs_of(shape, spec).items():
             per_token, preemptions = [], []
             for seed in SEEDS:
                 workload = Workload(batch=shape.batch, n=shape.n, p50=shape.p50, p99_over_p50=8,
@@ -84,7 +94,7 @@ def speedups(rows: list[dict[str, Any]], shape: str, base: str, mode: str) -> li
     return [b / m for b, m in zip(by_mode[base], by_mode[mode], strict=True)]
 
 
-def _ratio(values: list[float]) -> str:
+def ratio(values: list[float]) -> str:
     return f"{statistics.fmean(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
 
 
@@ -93,11 +103,11 @@ def summary(rows: list[dict[str, Any]]) -> str:
     where the cache binds (a mode preempted), ``default`` with the cache cap off over sync."""
     parts = []
     for shape in dict.fromkeys(row["shape"] for row in rows):
-        text = (f"{shape}: {_ratio(speedups(rows, shape, 'default_by_groups', 'default'))} over fill_engine off, "
-                f"{_ratio(speedups(rows, shape, 'sync', 'default'))} over sync")  # fmt: skip
+        text = (f"{shape}: {ratio(speedups(rows, shape, 'default_by_groups', 'default'))} over fill_engine off, "
+                f"{ratio(speedups(rows, shape, 'sync', 'default'))} over sync")  # fmt: skip
         preempted = any(sum(row.get("preemptions", [0])) for row in rows if row["shape"] == shape)
         if preempted and any(row["mode"] == "default_kv_off" for row in rows if row["shape"] == shape):
-            text += f", KV cap off {_ratio(speedups(rows, shape, 'sync', 'default_kv_off'))}"
+            text += f", KV cap off {ratio(speedups(rows, shape, 'sync', 'default_kv_off'))}"
         parts.append(text)
     return "; ".join(parts)
 

@@ -81,6 +81,13 @@ def test_a_result_without_date_or_command_gives_no_provenance(bench_module) -> N
     assert run == evidence.Provenance(date="2026-11-24", command="python -m benchmarks.x", commit="ab")
 
 
+def test_a_shown_command_keeps_every_flag_but_where_the_run_wrote_its_files(bench_module) -> None:
+    evidence = bench_module("evidence")
+    ran = "python -m benchmarks.x --json r.json --work-dir w --modes a,b --out=o.json --plot p.png --seeds 0 1"
+    assert evidence.shown_command(ran) == "python -m benchmarks.x --modes a,b --seeds 0 1"
+    assert evidence.shown_command("python -m benchmarks.x --jsonl-free") == "python -m benchmarks.x --jsonl-free"
+
+
 def test_the_figure_rule_flags_unbacked_and_wrongly_linked_figures() -> None:
     values = {"lc-x": "0.96x", "step-end": "0.55-0.59 s"}
     text = (

@@ -288,6 +288,8 @@ def test_the_partial_rollout_guides_compute_knees_are_the_simulators(model: Mode
     def knee(gpu: GpuSpec) -> int:
         spec = ServerSpec(gpu, model, tp=2)  # 32B needs two H100s; tensor parallelism divides both terms alike
         bound = spec.step_seconds(1, 0)  # no context: the weights' read, flat until compute overtakes it
-        return next(n for n in range(1, 4096) if spec.step_seconds(n + 1, 0) > bound)
+        found = next(n for n in range(1, 4096) if spec.step_seconds(n + 1, 0) > bound)
+        assert spec.compute_knee == found
+        return found
 
     assert (knee(H20), knee(H100_SXM)) == (int(stated.group(1)), int(stated.group(2)))

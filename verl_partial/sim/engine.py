@@ -85,6 +85,15 @@ class ServerSpec:
         usable = self.tp * (self.gpu.hbm_bytes * self.gpu_memory_utilization - self.activation_reserve_bytes)
         return int((usable - self.model.weight_bytes) // self.model.kv_bytes_per_token)
 
+    @property
+    def compute_knee(self) -> int:
+        """Most decoding requests a step serves at the cost of the weights' read alone; past it the linear layers are
+        compute-bound, and each request adds step time rather than throughput (tensor parallelism divides both
+        alike). Where it is below the server's slots, calls per server capped near it end steps sooner."""
+        read = self.model.weight_bytes / (self.gpu.hbm_bandwidth * self.efficiency.bandwidth)
+        per_token = self.model.linear_flops_per_token / (self.gpu.bf16_flops * self.efficiency.compute)
+        return int(read // per_token)
+
     def step_seconds(
         self, decode_requests: int, decode_context: float, prefill_tokens: int = 0, prefill_attention: float = 0.0
     ) -> float:
