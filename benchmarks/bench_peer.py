@@ -881,7 +881,7 @@ def header(results: dict[str, Any], command: bool = True) -> str:
     machine_text = f"{m['cpu']}, {m['cores']} cores"  # the page dates each figure already
     run = f"Run {m['date']} on {machine_text}{software}" if command else machine_text
     return (
-        f"{run}. Engines: {engines}. " + f"Random Qwen2 ({results['parameters'] / 1e6:.1f} M parameters, "
+        f"{run}. Engines: {engines}. Random Qwen2 ({results['parameters'] / 1e6:.1f} M parameters, "
         f"fp32); {wl['prompts']} x {wl['n']} samples a step, {wl['slots']} engine slots; lengths lognormal "
         f"(median {wl['lengths']['median']:g}, sigma {wl['lengths']['sigma']:g}, cap {wl['lengths']['cap']}), imposed, "
         f"{_length_history(results)}. "

@@ -214,7 +214,7 @@ def _peer_kv(data: Mapping[str, Any]) -> str:
     sync = runs["v0_sync"]
     for name in ("default", "default_kv_off"):
         bound = spread(ceiling_ratios(sync, runs[name]))
-        ceiling = f" (ceiling at staleness <= 1 {bound}x)" if name == "default" else ""
+        ceiling = f" (ceiling, any colocated schedule at staleness <= 1: {bound}x)" if name == "default" else ""
         parts.append(f"`{name}` vs v0 sync: rollout phase {speedup(sync, runs[name], 'rollout')}{ceiling}, "
                      f"whole step {speedup(sync, runs[name], 'step')}")  # fmt: skip
     if "v1_async_bound" in runs:  # verl's own partial rollout, fewer rounds (about 40 min a run)
@@ -480,7 +480,7 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="sim-vs-emulated-knee",
-        claim="the same check on `peer-emulated-knee`'s runs (v1: not in the simulator)",
+        claim="the same check on `peer-emulated-knee`'s runs (v1 unsimulated)",
         source="sim_check_knee.json",
         label="simulated",
         value=_sim_check,
