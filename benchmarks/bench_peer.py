@@ -204,6 +204,15 @@ MODES: dict[str, PeerMode] = {
             "v1_sync_fastpoll", "v1 sync, poll 0.05 s", "v1", overrides=(V1_SYNC, *_fast_poll("FastPollReplayBuffer"))
         ),  # fmt: skip
         PeerMode("v1_async_bound", "v1 colocate_async, threshold 2 + wait", "v1", overrides=(V1_ASYNC, *V1_BOUND)),
+        # The knee as an engine setting any trainer can use: the server itself runs at most KNEE_CALLS requests
+        # (rollout.max_num_seqs), the rest queue in it. Beside ``default_knee`` it says whether the knee's gain is
+        # our scheduler's or the engine setting's.
+        PeerMode(
+            "v1_async_bound_knee",
+            f"v1 colocate_async, threshold 2 + wait, engine max_num_seqs {KNEE_CALLS} (the H20's compute knee)",
+            "v1",
+            overrides=(V1_ASYNC, *V1_BOUND, f"actor_rollout_ref.rollout.max_num_seqs={KNEE_CALLS}"),
+        ),
         PeerMode(
             "v1_async_bound_fastpoll",
             "v1 colocate_async, threshold 2 + wait, poll 0.05 s",
