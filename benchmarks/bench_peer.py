@@ -158,6 +158,13 @@ MODES: dict[str, PeerMode] = {
     mode.name: mode
     for mode in (
         PeerMode("v0_sync", "v0 sync (RayPPOTrainer)", "v0"),
+        # The knee as an engine setting (below, ``v1_async_bound_knee``), for verl's synchronous rollout.
+        PeerMode(
+            "v0_sync_knee",
+            f"v0 sync, engine max_num_seqs {KNEE_CALLS} (the H20's compute knee)",
+            "v0",
+            overrides=(f"actor_rollout_ref.rollout.max_num_seqs={KNEE_CALLS}",),
+        ),
         PeerMode("default", "ours `+partial=default`", "v0", "default"),
         # The default before admission followed the engines' free slots (issue 25, item 5): a group's slot is
         # refilled only once the whole group is done.
@@ -206,7 +213,7 @@ MODES: dict[str, PeerMode] = {
         PeerMode("v1_async_bound", "v1 colocate_async, threshold 2 + wait", "v1", overrides=(V1_ASYNC, *V1_BOUND)),
         # The knee as an engine setting any trainer can use: the server itself runs at most KNEE_CALLS requests
         # (rollout.max_num_seqs), the rest queue in it. Beside ``default_knee`` it says whether the knee's gain is
-        # our scheduler's or the engine setting's.
+        # our scheduler's or the setting's.
         PeerMode(
             "v1_async_bound_knee",
             f"v1 colocate_async, threshold 2 + wait, engine max_num_seqs {KNEE_CALLS} (the H20's compute knee)",

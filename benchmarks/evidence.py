@@ -245,13 +245,22 @@ def _versus(data: Mapping[str, Any], ours: str, bases: tuple[str, ...]) -> list[
 
 
 def _peer_knee(data: Mapping[str, Any]) -> str:
-    """``default`` with its calls per server capped at the emulated GPU's compute knee, and ``default`` itself,
-    against v1 colocate_async per trained token, paired by round (against v0 sync: the goal lines of
-    ``peer-emulated``), and each mode's slot occupancy."""
+    """``default`` with its calls per server capped at the emulated GPU's compute knee against ``default``, and
+    ``default`` against v1 colocate_async, per trained token, paired by round (against v0 sync: the goal lines of
+    ``peer-emulated``; the capped one against v1: ``peer-emulated-knee-v1``), and each mode's slot occupancy."""
     from benchmarks.bench_peer import by_mode
 
-    versus = _versus(data, "default_knee", ("default", "v1_async_bound")) + _versus(
-        data, "default", ("v1_async_bound",)
+    versus = _versus(data, "default_knee", ("default",)) + _versus(data, "default", ("v1_async_bound",))
+    return "; ".join(versus) + f"; slot occupancy {_occupancy(by_mode(dict(data), _peer_engine(data)))}"
+
+
+def _peer_knee_v1(data: Mapping[str, Any]) -> str:
+    """The knee as an engine setting v1 can use too: ``default_knee`` against v1 colocate_async on an engine of
+    ``KNEE_CALLS`` slots and on the full one, and what that setting gives v1, per trained token, paired by round."""
+    from benchmarks.bench_peer import by_mode
+
+    versus = _versus(data, "default_knee", ("v1_async_bound_knee", "v1_async_bound")) + _versus(
+        data, "v1_async_bound_knee", ("v1_async_bound",)
     )
     return "; ".join(versus) + f"; slot occupancy {_occupancy(by_mode(dict(data), _peer_engine(data)))}"
 
@@ -404,6 +413,15 @@ FIGURES: tuple[Figure, ...] = (
         label="emulated",
         value=_peer_knee,
         image="img/peer_emulated_knee.png",
+    ),
+    Figure(
+        id="peer-emulated-knee-v1",
+        claim="the same on another machine (Intel Xeon, 2 cores), v1 `colocate_async` also given the knee as an "
+        "engine setting (`rollout.max_num_seqs=28`; more requests queue in the engine): is the gain the scheduler's "
+        "or the setting's?",
+        source="peer_emulated_knee_v1.json",
+        label="emulated",
+        value=_peer_knee_v1,
     ),
     Figure(
         id="peer-vllm-cpu",

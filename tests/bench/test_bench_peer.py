@@ -96,6 +96,26 @@ def test_the_default_reads_the_cache_and_only_the_kv_off_mode_turns_that_off(pee
     assert "partial.kv_tokens_per_server=off" in commands["default_kv_off"]
 
 
+def test_the_engine_knee_modes_limit_the_engine_to_default_knees_cap(peer: ModuleType, tmp_path: Path) -> None:
+    """``v1_async_bound_knee`` and ``v0_sync_knee`` give verl's trainers the knee as an engine setting: their
+    ``max_num_seqs`` comes after the workload's (Hydra keeps the last) and equals the calls per server
+    ``default_knee`` caps at; the other modes keep the workload's slots."""
+    paths = {"model": tmp_path / "model", "train": tmp_path / "t.parquet", "val": tmp_path / "v.parquet"}
+    slots = {}
+    for name in ("v1_async_bound_knee", "v0_sync_knee", "v1_async_bound", "default_knee"):
+        (tmp_path / name).mkdir()
+        command = peer.command_for(peer.MODES[name], paths, peer.Workload(), tmp_path / name, "cpu")
+        slots[name] = [p.split("=")[1] for p in command if p.startswith("actor_rollout_ref.rollout.max_num_seqs=")][-1]
+        assert (f"partial.max_calls_per_server={peer.KNEE_CALLS}" in command) is (name == "default_knee")
+    assert slots == {
+        "v1_async_bound_knee": str(peer.KNEE_CALLS),
+        "v0_sync_knee": str(peer.KNEE_CALLS),
+        "v1_async_bound": str(peer.Workload().slots),
+        "default_knee": str(peer.Workload().slots),
+    }
+    assert peer.KNEE_CALLS < peer.Workload().slots
+
+
 def test_partial_presets_are_refused_on_v1(peer: ModuleType) -> None:
     with pytest.raises(ValueError, match="legacy trainer"):
         peer.PeerMode("bad", "bad", "v1", partial="default")
