@@ -265,6 +265,12 @@ def _peer_knee_v1(data: Mapping[str, Any]) -> str:
     return "; ".join(versus) + f"; slot occupancy {_occupancy(by_mode(dict(data), _peer_engine(data)))}"
 
 
+def _peer_knee_sync(data: Mapping[str, Any]) -> str:
+    """The knee as an engine setting for verl's synchronous rollout: ``default_knee`` against it and what the setting
+    gives sync, per trained token, paired by round."""
+    return "; ".join(_versus(data, "default_knee", ("v0_sync_knee",)) + _versus(data, "v0_sync_knee", ("v0_sync",)))
+
+
 def _peer_tail(data: Mapping[str, Any]) -> str:
     """The length-aware presets against v0 sync, per trained token, and what their windows do to trained lengths."""
     from benchmarks.bench_peer import PRESETS_WINDOW, by_mode, speedup, spread, window_length_ratios
@@ -406,9 +412,8 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="peer-emulated-knee",
-        claim="the same workload and harness, rewards scored during the step; `default_knee`: "
-        "`partial.max_calls_per_server=28`, near the H20's compute knee (past it, requests add step time, not "
-        "throughput)",
+        claim="the same, rewards scored during the step; `default_knee`: `partial.max_calls_per_server=28`, near "
+        "the H20's compute knee (past it, requests add step time, not throughput)",
         source="peer_emulated_knee.json",
         label="emulated",
         value=_peer_knee,
@@ -416,12 +421,18 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="peer-emulated-knee-v1",
-        claim="the same on another machine (Intel Xeon, 2 cores), v1 `colocate_async` also given the knee as an "
-        "engine setting (`rollout.max_num_seqs=28`; more requests queue in the engine): is the gain the scheduler's "
-        "or the setting's?",
+        claim="the same on an Intel Xeon, v1 `colocate_async` also given the knee as an engine setting "
+        "(`rollout.max_num_seqs=28`)",
         source="peer_emulated_knee_v1.json",
         label="emulated",
         value=_peer_knee_v1,
+    ),
+    Figure(
+        id="peer-emulated-knee-sync",
+        claim="the same for verl's synchronous rollout (`v0_sync_knee`)",
+        source="peer_emulated_knee_sync.json",
+        label="emulated",
+        value=_peer_knee_sync,
     ),
     Figure(
         id="peer-vllm-cpu",
@@ -526,7 +537,7 @@ _UNEQUAL_HARNESS = "unequal harness: some modes trained on 1 torch thread of 2 (
 
 WITHDRAWN: tuple[Withdrawn, ...] = (
     Withdrawn(
-        figure="every speed-up of these runs, e.g. `default` 1.13x v0 sync and 0.95x v1 colocate_async",
+        figure="every speed-up of these runs",
         sources=("peer.json", "peer_round1.json", "peer_rounds23.json", "vllm_trainer*.json"),
         script="benchmarks/bench_peer.py, benchmarks/bench_vllm_trainer.py",
         why=_UNEQUAL_HARNESS,
@@ -547,7 +558,7 @@ WITHDRAWN: tuple[Withdrawn, ...] = (
             "length_bias_frozen_700.json",
         ),  # fmt: skip
         script="benchmarks/learning_curves.py",
-        why="measured before `partial.fill_engine`; `default` re-measured: `lc-default`, `length-bias-frozen`",
+        why="before `partial.fill_engine`; re-measured: `lc-default`, `length-bias-frozen`",
     ),
 )
 

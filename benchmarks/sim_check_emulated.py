@@ -190,6 +190,8 @@ def compare(results: dict[str, Any], engine: str, prompt_len: int) -> dict[str, 
 
 
 def table(report: dict[str, Any]) -> str:
+    """Predicted beside measured, per mode (the evidence page's table; :func:`engine_table` follows it on the
+    command's output)."""
     lines = [
         "| mode | measured rollout ms / trained token (rounds) | simulated, no prefix cache as the emulated engine "
         "(seeds) | simulated / measured - 1 | with vLLM's prefix cache, simulated / measured - 1 | measured: engine "
@@ -206,7 +208,6 @@ def table(report: dict[str, Any]) -> str:
             f"{_miss(row.get('miss'))} | "
             f"{spread(row['engine_busy_share']) if row['engine_busy_share'] else '-'} |"
         )
-    lines += ["", *engine_table(report)]
     return "\n".join(lines)
 
 
@@ -252,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
         commit=git_commit(),
         peer=[str(path) for path in args.peer],
     )
-    print(table(report))
+    print(table(report), *engine_table(report), sep="\n")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
 
