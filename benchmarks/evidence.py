@@ -232,43 +232,22 @@ def _occupancy(runs: Mapping[str, list[Any]]) -> str:
     return ", ".join(f"{name} {statistics.fmean(r.occupancy for r in figures):.2f}" for name, figures in runs.items())
 
 
-def _versus(data: Mapping[str, Any], ours: str, bases: tuple[str, ...]) -> list[str]:
-    """``ours`` against each of ``bases`` per trained token, paired by round: rollout phase and whole step."""
-    from benchmarks.bench_peer import by_mode, speedup
+def _paired(*pairs: tuple[str, str]) -> Callable[[Mapping[str, Any]], str]:
+    """A figure's value: each ``(ours, base)`` pair per trained token, paired by round (rollout phase and whole
+    step), then each mode's slot occupancy."""
 
-    runs = by_mode(dict(data), _peer_engine(data))
-    return [
-        f"`{ours}` vs {base}: rollout phase {speedup(runs[base], runs[ours], 'rollout')}, whole step "
-        f"{speedup(runs[base], runs[ours], 'step')}"
-        for base in bases
-    ]
+    def value(data: Mapping[str, Any]) -> str:
+        from benchmarks.bench_peer import by_mode, speedup
 
+        runs = by_mode(dict(data), _peer_engine(data))
+        versus = [
+            f"`{ours}` vs {base}: rollout phase {speedup(runs[base], runs[ours], 'rollout')}, whole step "
+            f"{speedup(runs[base], runs[ours], 'step')}"
+            for ours, base in pairs
+        ]
+        return "; ".join([*versus, f"slot occupancy {_occupancy(runs)}"])
 
-def _peer_knee(data: Mapping[str, Any]) -> str:
-    """``default`` with its calls per server capped at the emulated GPU's compute knee against ``default``, and
-    ``default`` against v1 colocate_async, per trained token, paired by round (against v0 sync: the goal lines of
-    ``peer-emulated``; the capped one against v1: ``peer-emulated-knee-v1``), and each mode's slot occupancy."""
-    from benchmarks.bench_peer import by_mode
-
-    versus = _versus(data, "default_knee", ("default",)) + _versus(data, "default", ("v1_async_bound",))
-    return "; ".join(versus) + f"; slot occupancy {_occupancy(by_mode(dict(data), _peer_engine(data)))}"
-
-
-def _peer_knee_v1(data: Mapping[str, Any]) -> str:
-    """The knee as an engine setting v1 can use too: ``default_knee`` against v1 colocate_async on an engine of
-    ``KNEE_CALLS`` slots and on the full one, and what that setting gives v1, per trained token, paired by round."""
-    from benchmarks.bench_peer import by_mode
-
-    versus = _versus(data, "default_knee", ("v1_async_bound_knee", "v1_async_bound")) + _versus(
-        data, "v1_async_bound_knee", ("v1_async_bound",)
-    )
-    return "; ".join(versus) + f"; slot occupancy {_occupancy(by_mode(dict(data), _peer_engine(data)))}"
-
-
-def _peer_knee_sync(data: Mapping[str, Any]) -> str:
-    """The knee as an engine setting for verl's synchronous rollout: ``default_knee`` against it and what the setting
-    gives sync, per trained token, paired by round."""
-    return "; ".join(_versus(data, "default_knee", ("v0_sync_knee",)) + _versus(data, "v0_sync_knee", ("v0_sync",)))
+    return value
 
 
 def _peer_tail(data: Mapping[str, Any]) -> str:
@@ -416,7 +395,7 @@ FIGURES: tuple[Figure, ...] = (
         "the H20's compute knee (past it, requests add step time, not throughput)",
         source="peer_emulated_knee.json",
         label="emulated",
-        value=_peer_knee,
+        value=_paired(("default_knee", "default"), ("default", "v1_async_bound")),
         image="img/peer_emulated_knee.png",
     ),
     Figure(
@@ -425,14 +404,18 @@ FIGURES: tuple[Figure, ...] = (
         "(`rollout.max_num_seqs=28`)",
         source="peer_emulated_knee_v1.json",
         label="emulated",
-        value=_peer_knee_v1,
+        value=_paired(
+            ("default_knee", "v1_async_bound_knee"),
+            ("default_knee", "v1_async_bound"),
+            ("v1_async_bound_knee", "v1_async_bound"),
+        ),
     ),
     Figure(
         id="peer-emulated-knee-sync",
         claim="the same for verl's synchronous rollout (`v0_sync_knee`)",
         source="peer_emulated_knee_sync.json",
         label="emulated",
-        value=_peer_knee_sync,
+        value=_paired(("default_knee", "v0_sync_knee"), ("v0_sync_knee", "v0_sync")),
     ),
     Figure(
         id="peer-vllm-cpu",

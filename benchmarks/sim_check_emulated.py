@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
         commit=git_commit(),
         peer=[str(path) for path in args.peer],
     )
-    print(table(report), *engine_table(report), sep="\n")
+    print(table(report), "", *engine_table(report), sep="\n")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")
 
