@@ -367,6 +367,22 @@ def emulated_gpu(results: dict[str, Any], engine: str) -> EmulatedGpu | None:
     return emulated_in(results.get("engines", {}).get(engine, {}).get("overrides", []))
 
 
+def prefix_cached(results: dict[str, Any], engine: str) -> bool:
+    """Whether an engine's runs charged their steps as behind vLLM's prefix cache (each engine's counters say; runs
+    from before the emulated engine modelled it say nothing, and had none). Refuses a merge of both kinds."""
+    seen = {
+        bool(stats.get("prefix_caching", False))
+        for run in results["runs"]
+        if run.get("engine") == engine
+        for stats in run.get("engine_stats") or []
+    }
+    if len(seen) > 1:
+        raise SystemExit(
+            f"{engine}: runs with and without the emulated prefix cache are merged; compare like with like"
+        )
+    return seen == {True}
+
+
 def emulated_in(overrides: Iterable[str]) -> EmulatedGpu | None:
     """The GPU and model a list of trainer overrides emulates, or None."""
     for override in overrides:

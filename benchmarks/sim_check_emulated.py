@@ -12,9 +12,10 @@ lengths with the same median, sigma and cap, independent per sample), the step-t
 each mode is the same ``PartialConfig`` the trainer ran. Seeds vary the simulated length draws (the benchmark's draws
 are fixed by its hash); the prediction is given over seeds as mean (min-max). v1 modes have no simulator model.
 
-Each mode is predicted twice: with vLLM's prefix cache (the simulator as frozen, a group's samples share their prompt's
-prefill) and without it, as the emulated engine runs (our CPU engine prefills every request's whole context). The
-second is the like-for-like check; the first shows what that engine difference costs.
+Each mode is predicted twice: with vLLM's prefix cache (a group's samples share their prompt's whole cached blocks) and
+without it (every request prefills its whole context). The like-for-like check is the one the emulated engine ran:
+its counters say whether its steps were charged behind the prefix cache (verl's ``rollout.enable_prefix_caching``, on
+by default; runs from before the engine modelled it had none); the other shows what that difference costs.
 """
 
 from __future__ import annotations
@@ -29,7 +30,17 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._machine import git_commit, machine
-from benchmarks.bench_peer import KNEE_CALLS, MODES, by_mode, emulated_gpu, merge_results, overran, usable, workload_of
+from benchmarks.bench_peer import (
+    KNEE_CALLS,
+    MODES,
+    by_mode,
+    emulated_gpu,
+    merge_results,
+    overran,
+    prefix_cached,
+    usable,
+    workload_of,
+)
 from verl_partial.config.partial import PRESETS, PartialConfig
 from verl_partial.sim.run import ceiling, mode_configs, simulate
 from verl_partial.sim.workload import Workload as SimWorkload
@@ -169,8 +180,10 @@ def spread(values: list[float]) -> str:
 
 
 def compare(results: dict[str, Any], engine: str, prompt_len: int) -> dict[str, Any]:
-    predicted, bounds, _ = predict(results, engine, prompt_len)
-    as_engine, _, simulated = predict(results, engine, prompt_len, prefix_cache=False)
+    cached = prefix_cached(results, engine)
+    predicted, bounds, with_cache = predict(results, engine, prompt_len)
+    as_engine, _, without_cache = predict(results, engine, prompt_len, prefix_cache=False)
+    simulated = with_cache if cached else without_cache
     measured = {name: [r.gen_ms_per_token for r in runs] for name, runs in by_mode(results, engine).items()}
     rows = []
     for name in [m for m in MODES if m in measured or m in predicted]:
@@ -186,26 +199,43 @@ def compare(results: dict[str, Any], engine: str, prompt_len: int) -> dict[str, 
             if row["measured"] and row[prediction]:
                 row[key] = statistics.fmean(row[prediction]) / statistics.fmean(row["measured"]) - 1.0
         rows.append(row)
-    return {"engine": engine, "prompt_len": prompt_len, "seeds": list(SEEDS), "rows": rows, "ceiling_vs_sync": bounds}
+    return {
+        "engine": engine,
+        "prompt_len": prompt_len,
+        "engine_prefix_cache": cached,
+        "seeds": list(SEEDS),
+        "rows": rows,
+        "ceiling_vs_sync": bounds,
+    }
+
+
+def like_for_like(report: dict[str, Any]) -> tuple[str, str, str]:
+    """The row keys of the prediction made as the emulated engine ran, of its miss, and of the other setting's miss
+    (``predicted``/``miss``: with the prefix cache; ``predicted_as_engine``/``miss_as_engine``: without)."""
+    if report.get("engine_prefix_cache", False):
+        return "predicted", "miss", "miss_as_engine"
+    return "predicted_as_engine", "miss_as_engine", "miss"
 
 
 def table(report: dict[str, Any]) -> str:
     """Predicted beside measured, per mode (the evidence page's table; :func:`engine_table` follows it on the
     command's output)."""
+    prediction_key, miss_key, other_key = like_for_like(report)
+    ran, other = ("with", "without") if report.get("engine_prefix_cache", False) else ("without", "with")
     lines = [
-        "| mode | measured rollout ms / trained token (rounds) | simulated, no prefix cache as the emulated engine "
-        "(seeds) | simulated / measured - 1 | with vLLM's prefix cache, simulated / measured - 1 | measured: engine "
+        f"| mode | measured rollout ms / trained token (rounds) | simulated {ran} vLLM's prefix cache, as the emulated "
+        f"engine (seeds) | simulated / measured - 1 | {other} it, simulated / measured - 1 | measured: engine "
         "busy share of the phase |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for row in report["rows"]:
-        prediction = row.get("predicted_as_engine")
+        prediction = row.get(prediction_key)
         if not prediction:  # v1 modes: no simulator model (their busy share is in the peer figures)
             continue
         lines.append(
             f"| `{row['mode']}` | {spread(row['measured']) if row['measured'] else 'not run'} | "
-            f"{spread(prediction)} | {_miss(row.get('miss_as_engine'))} | "
-            f"{_miss(row.get('miss'))} | "
+            f"{spread(prediction)} | {_miss(row.get(miss_key))} | "
+            f"{_miss(row.get(other_key))} | "
             f"{spread(row['engine_busy_share']) if row['engine_busy_share'] else '-'} |"
         )
     return "\n".join(lines)
@@ -223,7 +253,7 @@ def engine_table(report: dict[str, Any]) -> list[str]:
         return []
     lines = [
         "The engine itself, whole runs (warm-up included), measured (emulated engine's counters, modelled time) / "
-        "simulated without a prefix cache:",
+        f"simulated {'with' if report.get('engine_prefix_cache', False) else 'without'} a prefix cache:",
         "",
         "| mode | " + " | ".join(ENGINE_FIGURES.values()) + " |",
         "|---|" + "---:|" * len(ENGINE_FIGURES),

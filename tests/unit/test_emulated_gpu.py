@@ -59,7 +59,7 @@ def tiny_model() -> Qwen2ForCausalLM:
     return Qwen2ForCausalLM(config).eval()
 
 
-def _generate(model, spec: ServerSpec, prompts: list[list[int]], max_tokens: int):
+def _generate(model, spec: ServerSpec, prompts: list[list[int]], max_tokens: int, prefix_caching: bool = False):
     """Run the prompts together; return the engine's stats, the wall time and each step's modelled time."""
     shapes: list[tuple[int, float, int, float]] = []
 
@@ -67,7 +67,9 @@ def _generate(model, spec: ServerSpec, prompts: list[list[int]], max_tokens: int
         shapes.append(shape)
         return spec.step_seconds(*shape)
 
-    engine = CpuBatchedEngine(model, eos_token_ids={VOCAB + 1}, max_num_seqs=8, step_time=step_time, seed=0)
+    engine = CpuBatchedEngine(
+        model, eos_token_ids={VOCAB + 1}, max_num_seqs=8, step_time=step_time, seed=0, prefix_caching=prefix_caching
+    )
 
     async def run():
         loop = asyncio.get_running_loop()
@@ -103,6 +105,43 @@ def test_a_step_longer_than_modelled_is_counted_as_an_overrun(tiny_model):
     assert stats.steps == stats.overruns == len(modelled) == 4
     assert stats.compute_s > stats.modelled_s
     assert stats.step_s >= stats.compute_s  # an overrun step lasts its compute, it is not shortened
+
+
+def test_with_a_prefix_cache_a_groups_siblings_are_charged_their_prompt_once(tiny_model):
+    """4 samples of one 40-token prompt join in one step: the first prefills it all, each sibling only the 8 tokens
+    past its 2 whole cached blocks (vLLM's rules, ``core/engines/prefix_cache.py``); without the cache all 160."""
+    prompt = list(range(1, 41))
+    stats, _, _, shapes = _generate(tiny_model, TINY, [prompt] * 4, max_tokens=2, prefix_caching=True)
+    assert shapes[0] == (0, 0.0, 40 + 3 * 8, 40 * 40 / 2 + 3 * 8 * (32 + 8 / 2))
+    assert (stats.prefill_tokens, stats.cached_tokens) == (64, 96)
+    stats, _, _, shapes = _generate(tiny_model, TINY, [prompt] * 4, max_tokens=2)
+    assert shapes[0] == (0, 0.0, 160, 4 * 40 * 40 / 2)
+    assert (stats.prefill_tokens, stats.cached_tokens) == (160, 0)
+
+
+def test_nothing_is_cached_across_a_weight_load_or_a_reset(tiny_model):
+    """verl resets vLLM's prefix cache after every weight update and at every step-end abort: a resumed sample
+    prefills its prompt again on the new weights."""
+    engine = CpuBatchedEngine(
+        tiny_model, eos_token_ids={VOCAB + 1}, step_time=TINY.step_seconds, prefix_caching=True, seed=0
+    )
+    prompt, params = list(range(1, 41)), SamplingParams(max_tokens=1, ignore_eos=True)
+
+    async def cached_after(between) -> int:
+        await engine.generate("first", prompt, params)
+        between()
+        before = engine.stats.cached_tokens
+        await engine.generate("second", prompt, params)
+        return engine.stats.cached_tokens - before
+
+    async def run():
+        kept = await cached_after(lambda: None)
+        loaded = await cached_after(lambda: engine.load_weights(tiny_model.state_dict().items()))
+        reset = await cached_after(engine.reset_prefix_cache)
+        await engine.close()
+        return kept, loaded, reset
+
+    assert asyncio.run(run()) == (32, 0, 0)
 
 
 def test_virtual_step_and_step_time_are_exclusive(tiny_model):
@@ -227,9 +266,55 @@ def test_a_server_started_with_the_drivers_env_runs_the_modelled_engine(demo_ass
     assert (stats["emulate_gpu"], stats["max_num_seqs"], stats["steps"]) == ("H100-SXM/Qwen2.5-7B", 4, 4)
     assert stats["kv_capacity_tokens"] == server.engine.kv_capacity_tokens == spec.kv_capacity_tokens == 798_339
     assert stats["preemptions"] == 0
+    assert stats["prefix_caching"] and server.engine.prefix_caching  # verl's enable_prefix_caching, on by default
     # The prefill of 3 tokens, then 3 decodes at contexts 4, 5, 6: the simulator's step times for these shapes.
     expected = spec.step_seconds(0, 0.0, 3, 4.5) + sum(spec.step_seconds(1, float(c)) for c in (4, 5, 6))
     assert stats["modelled_s"] == pytest.approx(expected)
     # What a benchmark reads under any trainer (verl's own never ask): the same counters, written as the loop ended.
     written = json.loads((tmp_path / "engine-0.json").read_text())
     assert written == {key: stats[key] for key in written} and written["steps"] == 4
+
+
+@pytest.mark.parametrize(("emulate", "enable_prefix_caching", "expected"), [(True, False, False), (False, True, False)])
+def test_the_prefix_cache_follows_verls_setting_and_only_shapes_a_modelled_engine(
+    demo_assets, monkeypatch, emulate, enable_prefix_caching, expected
+):
+    """``rollout.enable_prefix_caching=False`` turns it off; the plain CPU engine's steps take their real compute,
+    which a prefix cache the forward does not use could not shorten, so it keeps none."""
+    if emulate:
+        monkeypatch.setenv(EMULATE_GPU_ENV, "H100-SXM/Qwen2.5-7B")
+    else:
+        monkeypatch.delenv(EMULATE_GPU_ENV, raising=False)
+    config = RolloutConfig(
+        name="cpu", prompt_length=32, response_length=8, max_num_seqs=4, enable_prefix_caching=enable_prefix_caching
+    )
+    server = CpuRolloutServer(
+        config=config, model_config=HFModelConfig(path=str(demo_assets.model_dir)), replica_rank=0
+    )
+    assert server.engine.prefix_caching is expected and server.engine_stats()["prefix_caching"] is expected
+
+
+def test_a_step_end_abort_resets_the_servers_prefix_cache(demo_assets, monkeypatch):
+    """verl's ``abort_all_requests(reset_prefix_cache=True)``, as at every step end: a sample resumed after it
+    prefills its prompt again, where one sent without the abort hits its sibling's blocks."""
+    monkeypatch.setenv(EMULATE_GPU_ENV, "H100-SXM/Qwen2.5-7B")
+    config = RolloutConfig(name="cpu", prompt_length=48, response_length=8, max_num_seqs=4)
+    server = CpuRolloutServer(
+        config=config, model_config=HFModelConfig(path=str(demo_assets.model_dir)), replica_rank=0
+    )
+    prompt, params = list(range(1, 41)), {"max_tokens": 1, "ignore_eos": True, "temperature": 1.0}
+
+    async def cached(request_id: str) -> int:
+        before = server.engine.stats.cached_tokens
+        await server.generate(prompt_ids=prompt, sampling_params=params, request_id=request_id)
+        return server.engine.stats.cached_tokens - before
+
+    async def run():
+        first, sibling = await cached("a"), await cached("b")
+        await server.abort_all_requests(reset_prefix_cache=True)
+        await server.resume_generation()
+        resumed = await cached("c")
+        await server.engine.close()
+        return first, sibling, resumed
+
+    assert asyncio.run(run()) == (0, 32, 0)

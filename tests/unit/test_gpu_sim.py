@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from verl_partial.core.engines.prefix_cache import BLOCK_TOKENS
 from verl_partial.core.partial.finish import Finish
 from verl_partial.sim.cli import main
 from verl_partial.sim.clock import run_virtual
@@ -137,11 +138,12 @@ def test_prefix_cache_survives_abort_but_not_a_weight_update():
         parked = await first
         assert parked.finish is Finish.ABORTED and 0 < parked.tokens < 1_000
         server.resume()
-        # Resumed on the same weights: only the last token is recomputed.
+        # Resumed on the same weights: only what follows its last whole block before the last token is recomputed.
         before = server.stats.prefill_tokens
-        again = server.submit("g", "g/0", 100, 100 + parked.tokens, 1_000 - parked.tokens, 1_000)
+        held = 100 + parked.tokens
+        again = server.submit("g", "g/0", 100, held, 1_000 - parked.tokens, 1_000)
         await asyncio.sleep(0.01)
-        assert server.stats.prefill_tokens - before == 1
+        assert server.stats.prefill_tokens - before == held - (held - 1) // BLOCK_TOKENS * BLOCK_TOKENS
         server.abort_all()
         second = await again
         server.resume()
@@ -160,7 +162,8 @@ def test_prefix_cache_survives_abort_but_not_a_weight_update():
 def test_siblings_share_their_prompt_prefill():
     spec = ServerSpec(H100_SXM, QWEN25_7B)
     _, _, server = _serve(spec, [(500, 3)] * 8, prompt_len=500)
-    assert server.stats.prefill_tokens == 500 + 7 * 1  # first sibling prefills, the others recompute one token
+    # The first sibling prefills it all; the others hit 31 whole blocks (496 tokens) and recompute the last 4.
+    assert server.stats.prefill_tokens == 500 + 7 * 4
 
 
 def test_without_a_prefix_cache_every_sibling_prefills_its_whole_prompt():

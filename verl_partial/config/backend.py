@@ -44,7 +44,9 @@ class EmulatedGpu:
     batch, with the cores idle, as a GPU host's are. Requests wait for KV-cache room and the newest running one is
     preempted when decoding outgrows it (:attr:`verl_partial.sim.engine.ServerSpec.kv_capacity_tokens`, vLLM's
     recompute preemption, as in the simulator): without the limit, a partial mode holding more context than the GPU
-    could would look better than it would be.
+    could would look better than it would be. With ``rollout.enable_prefix_caching`` (on in verl) a step is charged
+    only the prefill vLLM's prefix cache would compute (:mod:`verl_partial.core.engines.prefix_cache`): without it,
+    every sample of a group would pay its prompt's prefill, which a GPU server pays once.
     """
 
     gpu: str
@@ -63,13 +65,16 @@ class EmulatedGpu:
     def name(self) -> str:
         return f"{self.gpu}/{self.model}"
 
-    def server_spec(self, max_num_seqs: int) -> ServerSpec:
+    def server_spec(self, max_num_seqs: int, prefix_cache: bool = True) -> ServerSpec:
         """The simulator's server for this GPU and model; its ``step_seconds`` is the engine's step time, its
-        ``kv_capacity_tokens`` the engine's KV-cache capacity."""
+        ``kv_capacity_tokens`` the engine's KV-cache capacity. ``prefix_cache``: the rollout's
+        ``enable_prefix_caching``, which the emulated engine charges its prefill by."""
         from verl_partial.sim.engine import ServerSpec
         from verl_partial.sim.hardware import GPUS, MODELS
 
-        return ServerSpec(gpu=GPUS[self.gpu], model=MODELS[self.model], max_num_seqs=max_num_seqs)
+        return ServerSpec(
+            gpu=GPUS[self.gpu], model=MODELS[self.model], max_num_seqs=max_num_seqs, prefix_cache=prefix_cache
+        )
 
 
 @dataclass(frozen=True)
@@ -85,9 +90,10 @@ class BackendConfig:
     emulate_gpu: EmulateGpu | None = None
     """A GPU-shaped engine: ``<GPU>/<model>`` in the simulator's names. Each step of our CPU engine runs its forward,
     then sleeps, cores idle, until it has lasted what that model takes on one such GPU (the simulator's roofline);
-    the engine holds only that GPU's KV cache, preempting as vLLM does. The trainer, Ray, the scheduler, aborts and
-    weight sync stay real. Overrunning steps are counted (``engine/overruns``). Figures from it are "emulated".
-    Our engine only: refused with ``cpu_vllm``."""
+    the engine holds only that GPU's KV cache, preempting as vLLM does, and with ``rollout.enable_prefix_caching``
+    (verl's default) a step is charged only the prefill vLLM's prefix cache leaves. The trainer, Ray, the scheduler,
+    aborts and weight sync stay real. Overrunning steps are counted (``engine/overruns``). Figures from it are
+    "emulated". Our engine only: refused with ``cpu_vllm``."""
 
     def __post_init__(self) -> None:
         if self.name not in BACKEND_NAMES:

@@ -62,6 +62,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from verl_partial.core.engines.prefix_cache import PrefixCache
 from verl_partial.cpu_backend.kv_model import SlotKVModel
 
 StopReason = Literal["completed", "length", "aborted"]
@@ -133,13 +134,15 @@ class EngineStats:
     (``backend.emulate_gpu``): ``modelled_s`` is the modelled time of the steps, ``compute_s`` the real compute
     inside them, ``overruns`` the steps whose compute took longer than modelled (they last their compute time).
     With a KV-cache capacity: ``preemptions`` counts running requests sent back to the queue to make room; their
-    re-prefill is in ``prefill_tokens``.
+    re-prefill is in ``prefill_tokens``. With a prefix cache (``prefix_caching``): ``cached_tokens`` counts the
+    joiners' tokens found cached, which ``prefill_tokens`` leaves out.
     """
 
     generated_tokens: int = 0
     decode_steps: int = 0
     decode_tokens: int = 0
     prefill_tokens: int = 0
+    cached_tokens: int = 0
     steps: int = 0
     step_s: float = 0.0
     idle_s: float = 0.0
@@ -198,6 +201,7 @@ class _StepPlan:
     decode_tokens: list[int]
     decode_positions: list[int]
     prefill_prompts: list[list[int]]  # each joiner's sequence
+    prefill_cached: list[int]  # each joiner's leading tokens a GPU server's prefix cache holds (not prefilled)
     samplers: list[tuple[SamplingParams, torch.Generator | None]]
     max_len: int
 
@@ -206,10 +210,19 @@ class _StepPlan:
         """Tokens the decode rows attend to: each row's cache plus the token it feeds."""
         return sum(self.decode_positions) + len(self.decode_positions)
 
+    @property
+    def prefill_tokens(self) -> int:
+        """Tokens a GPU server would prefill: each joiner's sequence but its cached prefix."""
+        return sum(len(p) - cached for p, cached in zip(self.prefill_prompts, self.prefill_cached, strict=True))
+
     def shape(self) -> tuple[int, float, int, float]:
-        """Arguments of a :data:`StepTimeModel`; a prompt of c tokens prefills c x c/2 query-key pairs."""
-        lengths = [len(p) for p in self.prefill_prompts]
-        return len(self.decode_tokens), float(self.decode_context), sum(lengths), sum(c * c / 2 for c in lengths)
+        """Arguments of a :data:`StepTimeModel`; c tokens prefilled after k cached ones make c x (k + c/2)
+        query-key pairs."""
+        pairs = sum(
+            (len(p) - k) * (k + (len(p) - k) / 2)
+            for p, k in zip(self.prefill_prompts, self.prefill_cached, strict=True)
+        )
+        return len(self.decode_tokens), float(self.decode_context), self.prefill_tokens, pairs
 
 
 class CpuBatchedEngine:
@@ -233,6 +246,7 @@ class CpuBatchedEngine:
         virtual_step_s: float | None = None,
         step_time: StepTimeModel | None = None,
         kv_capacity_tokens: int | None = None,
+        prefix_caching: bool = False,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None,
         stats_file: str | None = None,
@@ -263,6 +277,11 @@ class CpuBatchedEngine:
                 must be bound by its GPU's KV cache as well as its step time, or a partial mode that holds more
                 context than that GPU could would look better than it would be. ``None``: unlimited (the CPU cache
                 grows as needed). A single request that outgrows it fails with a ``ValueError``.
+            prefix_caching: charge a step only the prefill a GPU server with vLLM's prefix cache would compute
+                (:mod:`verl_partial.core.engines.prefix_cache`: a group's samples share their prompt's whole blocks,
+                a preempted request keeps its own until evicted; everything is forgotten at a weight load and at
+                :meth:`reset_prefix_cache`). The forward still computes every token: it shapes a ``step_time``
+                engine's modelled steps and the counters (``cached_tokens``), not the real compute.
             device: where the model, its KV cache and the sampling run (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ...).
                 The model is moved there in place (``nn.Module.to``), so the caller's module is the engine's; one
                 engine serves both, the GPU only making each step faster (benchmarks/gpu_engine_curve.py).
@@ -281,6 +300,9 @@ class CpuBatchedEngine:
         if kv_capacity_tokens is not None and kv_capacity_tokens < 1:
             raise ValueError(f"kv_capacity_tokens must be >= 1 or None, got {kv_capacity_tokens}")
         self.kv_capacity_tokens = kv_capacity_tokens
+        self._prefix_cache = PrefixCache(kv_capacity_tokens) if prefix_caching else None
+        # Set by a weight load or an abort (any thread); the loop resets the cache before its next admission.
+        self._prefix_reset_pending = False
         self.semantics: Semantics = semantics
         self.virtual_step_s = virtual_step_s
         # Real time: the least a step lasts (fault injection's ``step_s``), so a test can make an answer outlast a
@@ -359,12 +381,18 @@ class CpuBatchedEngine:
             await self._stepped.wait()
 
     def write_stats(self) -> None:
-        """``stats`` as JSON at ``stats_file``, replaced atomically (a reader never sees half a file)."""
+        """``stats`` and ``prefix_caching`` as JSON at ``stats_file``, replaced atomically (a reader never sees half
+        a file)."""
         assert self.stats_file is not None
         partial = f"{self.stats_file}.tmp"
         with open(partial, "w") as out:
-            json.dump(dataclasses.asdict(self._stats), out)
+            json.dump({**dataclasses.asdict(self._stats), "prefix_caching": self.prefix_caching}, out)
         os.replace(partial, self.stats_file)
+
+    @property
+    def prefix_caching(self) -> bool:
+        """Whether steps are charged only what a GPU server's prefix cache would not hold (``prefix_caching=``)."""
+        return self._prefix_cache is not None
 
     @property
     def stats(self) -> EngineStats:
@@ -470,6 +498,13 @@ class CpuBatchedEngine:
                 if target.shape != tensor.shape:
                     raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} != {tuple(target.shape)}")
                 target.copy_(tensor)
+        self.reset_prefix_cache()  # verl resets vLLM's after every weight update (``clear_kv_cache``)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget the cached prefixes before the next admission (vLLM's ``reset_prefix_cache``, which verl calls at
+        a step-end abort and after a weight update; like it, it leaves the cache alone while a request holds
+        blocks). Safe from any thread."""
+        self._prefix_reset_pending = True
 
     async def close(self) -> None:
         """Abort everything, stop the scheduler task and the worker thread; the engine is unusable afterwards."""
@@ -570,8 +605,13 @@ class CpuBatchedEngine:
         # vLLM v1 schedules the waiting queue only in a step without preemptions (else the request just preempted
         # could be readmitted at once); a step that preempted every running request admits, or fails, its head.
         joiners = [] if preempted and self._slots else self._pick_joiners(self.max_num_seqs - len(self._slots))
+        if self._prefix_reset_pending and self._prefix_cache is not None:
+            self._prefix_cache.reset()
+        self._prefix_reset_pending = False
+        cached = []
         for request in joiners:
             request.admitted = next(self._admissions)
+            cached.append(self._admit_to_prefix_cache(request))
         self._slots.extend(joiners)
         width = max((r.context_len for r in joiners), default=0)
         if not self._slots:
@@ -582,6 +622,7 @@ class CpuBatchedEngine:
             decode_tokens=[r.token_ids[-1] for r in decoding],
             decode_positions=[r.cached_len for r in decoding],
             prefill_prompts=[r.sequence for r in joiners],
+            prefill_cached=cached,
             samplers=[(r.params, r.generator) for r in self._slots],
             max_len=max([r.cached_len + 1 for r in decoding] + [width]),
         )
@@ -646,6 +687,7 @@ class CpuBatchedEngine:
             need -= victim.context_len + 1
             preempted.append(victim)
             self._waiting.appendleft(victim)  # the oldest of them ends up first, as in vLLM and the simulator
+            self._release_from_prefix_cache(victim)
         self._stats.preemptions += len(preempted)
         return preempted
 
@@ -667,7 +709,8 @@ class CpuBatchedEngine:
         self._stats.decode_steps += bool(plan.decode_tokens)
         self._stats.decode_tokens += len(plan.decode_tokens)
         self._stats.decode_context_tokens += plan.decode_context
-        self._stats.prefill_tokens += sum(len(p) for p in plan.prefill_prompts)
+        self._stats.prefill_tokens += plan.prefill_tokens
+        self._stats.cached_tokens += sum(plan.prefill_cached)
         for request, token, log_prob in zip(rows, tokens, log_probs, strict=True):
             if request.done:  # aborted while the step ran: its result was already returned
                 continue
@@ -703,6 +746,22 @@ class CpuBatchedEngine:
             return "length"
         return "completed" if eos else None
 
+    def _admit_to_prefix_cache(self, request: EngineRequest) -> int:
+        """A joiner's tokens found in the prefix cache (0 without one); it holds its blocks until it leaves."""
+        if self._prefix_cache is None:
+            return 0
+        return self._prefix_cache.admit(request.request_id, request.sequence, self._context_in_use())
+
+    def _release_from_prefix_cache(self, request: EngineRequest) -> None:
+        """A request leaves the batch: the KV it computed (all but its last sampled token) becomes reusable."""
+        if self._prefix_cache is not None:
+            self._prefix_cache.release(
+                request.request_id, request.sequence[: request.cached_len], self._context_in_use()
+            )
+
+    def _context_in_use(self) -> int:
+        return sum(r.context_len for r in self._slots if not r.done)
+
     def _notify_progress(self) -> None:
         if self._stepped is not None:
             self._stepped.set()
@@ -715,6 +774,7 @@ class CpuBatchedEngine:
             return
         request.done = True
         request.first_output.set()
+        self._release_from_prefix_cache(request)
         if self._requests.get(request.request_id) is request:
             del self._requests[request.request_id]
         if request in self._waiting:

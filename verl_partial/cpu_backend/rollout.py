@@ -146,6 +146,8 @@ class _CpuServerBase:
             virtual_step_s=virtual_step_s,
             step_time=None if gpu_server is None else gpu_server.step_seconds,
             kv_capacity_tokens=None if gpu_server is None else gpu_server.kv_capacity_tokens,
+            # Only a modelled step can show what a GPU server's prefix cache saves; our forward computes every token.
+            prefix_caching=gpu_server is not None and self.config.enable_prefix_caching,
             stats_file=stats_file(self.replica_rank),
         )
 
@@ -211,7 +213,8 @@ class _CpuServerBase:
 
     def engine_stats(self) -> dict[str, Any]:
         """The engine's cumulative counters (``EngineStats``) with ``max_num_seqs``, the ``emulate_gpu`` setting
-        (``"<GPU>/<model>"`` or None) and the KV-cache capacity it implies (tokens, or None: unlimited): what
+        (``"<GPU>/<model>"`` or None), the KV-cache capacity it implies (tokens, or None: unlimited) and whether its
+        steps are charged as behind a prefix cache: what
         :func:`~verl_partial.cpu_backend.occupancy.slot_occupancy` reads.
         One cheap Ray call in any trainer mode (the counters are always kept)."""
         return {
@@ -219,6 +222,7 @@ class _CpuServerBase:
             "max_num_seqs": self.engine.max_num_seqs,
             "emulate_gpu": None if self.emulate_gpu is None else self.emulate_gpu.name,
             "kv_capacity_tokens": self.engine.kv_capacity_tokens,
+            "prefix_caching": self.engine.prefix_caching,
         }
 
 
@@ -341,7 +345,8 @@ class CpuRolloutServer(_CpuServerBase):
         """``vLLMHttpServer.abort_all_requests``: close the gate (declaring whether late arrivals park or are
         refused), then wait up to ``GATE_BARRIER_TIMEOUT_S`` while admitted requests have no first output yet --
         a request queued behind ``max_num_seqs`` holds this barrier while the engine keeps generating -- then
-        pause the engine and abort every request in it (running: all tokens so far; queued: none; "aborted").
+        pause the engine and abort every request in it (running: all tokens so far; queued: none; "aborted"), and
+        with ``reset_prefix_cache`` forget the cached prefixes (``pause_generation(clear_cache=...)``).
         The engine stays paused until :meth:`resume_generation`."""
         self._submission_paused, self._rejecting = True, reject_request
         self._gate().clear()
@@ -355,6 +360,8 @@ class CpuRolloutServer(_CpuServerBase):
         request_ids = self.engine.request_ids
         self.engine.pause()
         await self.engine.abort_all()
+        if reset_prefix_cache:
+            self.engine.reset_prefix_cache()
         return {"aborted_count": len(request_ids), "request_ids": request_ids}
 
     async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict:

@@ -21,7 +21,8 @@ What it models, and why each piece matters for partial rollout:
   the step end while running ones keep decoding; ``abort_request`` ends one request with its tokens so far (none
   while queued). A cancelled call gets nothing back (``SimBackend.cancel``).
 * **Prefix cache wiped at each weight update.** A resumed sample re-prefills its prompt and all its
-  tokens on the new weights; siblings of a group share their prompt's cached blocks.
+  tokens on the new weights; siblings of a group share their prompt's cached blocks, whole 16-token blocks only, the
+  last token always computed (:func:`verl_partial.core.engines.prefix_cache.cached_tokens`).
 
 The server is event driven: between two events (a request finishing, a request arriving, an abort,
 the KV cache filling up) the running set is constant, so the cost of the next k decode steps is a
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from verl_partial.core.engines.prefix_cache import cached_tokens
 from verl_partial.core.partial.finish import Finish
 from verl_partial.sim.hardware import Efficiency, GpuSpec, ModelSpec
 
@@ -368,7 +370,7 @@ class SimServer:
                 if spec.prefix_cache
                 else 0
             )
-            cached = min(cached, request.context - 1)  # vLLM recomputes at least the last token
+            cached = cached_tokens(request.context, cached)  # whole blocks, never the last token (vLLM's rule)
             # A resumed or preempted request re-prefills everything it holds, its generated tokens included.
             request.to_prefill = request.context - cached
             request.prefill_done = 0
