@@ -858,6 +858,12 @@ class GoalOutcome:
         """The verdict alone (its figures are in the table beside it)."""
         return f"{self.subject(by_name=True)}: {self.verdict(restate=False)}"
 
+    def measured(self) -> str:
+        """The figure over rounds, then the verdict (for a page that shows no table beside it)."""
+        if self.missing:
+            return self.short()
+        return f"{self.subject(by_name=True)}: {spread(list(self.values))}{self.unit}, {self.verdict(restate=False)}"
+
 
 def goal_outcomes(results: dict[str, Any], engine: str) -> list[GoalOutcome]:
     """The speed issue's goals for ``engine``'s label, each from the paired per-round figures."""

@@ -167,6 +167,23 @@ def _peer_goals(data: Mapping[str, Any]) -> str:
     return "; ".join(outcome.short() for outcome in goal_outcomes(dict(data), _peer_engine(data)))
 
 
+def _peer_goals_measured(data: Mapping[str, Any]) -> str:
+    """The goals with their figures, then the whole step of ``default`` and ``default_knee`` against verl's
+    trainers and every mode's slot occupancy: a figure shown without its table."""
+    from benchmarks.bench_peer import by_mode, goal_outcomes, speedup
+
+    engine = _peer_engine(data)
+    runs = by_mode(dict(data), engine)
+    goals = "; ".join(outcome.measured() for outcome in goal_outcomes(dict(data), engine))
+    pairs = (("default", "v0_sync"), ("default", "v1_async_bound"), ("default_knee", "v1_async_bound"))
+    steps = ", ".join(
+        f"`{ours}` vs {base} {speedup(runs[base], runs[ours], 'step')}"
+        for ours, base in pairs
+        if ours in runs and base in runs
+    )
+    return f"{goals}; whole step: {steps}; slot occupancy {_occupancy(runs)}"
+
+
 def _peer_engine(data: Mapping[str, Any]) -> str:
     engines = {run.get("engine", "cpu_vllm") for run in data["runs"]}
     if len(engines) != 1:
@@ -232,9 +249,9 @@ def _occupancy(runs: Mapping[str, list[Any]]) -> str:
     return ", ".join(f"{name} {statistics.fmean(r.occupancy for r in figures):.2f}" for name, figures in runs.items())
 
 
-def _paired(*pairs: tuple[str, str]) -> Callable[[Mapping[str, Any]], str]:
+def _paired(*pairs: tuple[str, str], occupancy: bool = True) -> Callable[[Mapping[str, Any]], str]:
     """A figure's value: each ``(ours, base)`` pair per trained token, paired by round (rollout phase and whole
-    step), then each mode's slot occupancy."""
+    step), then each mode's slot occupancy (left out where a table beside it has it)."""
 
     def value(data: Mapping[str, Any]) -> str:
         from benchmarks.bench_peer import by_mode, speedup
@@ -245,7 +262,7 @@ def _paired(*pairs: tuple[str, str]) -> Callable[[Mapping[str, Any]], str]:
             f"{speedup(runs[base], runs[ours], 'step')}"
             for ours, base in pairs
         ]
-        return "; ".join([*versus, f"slot occupancy {_occupancy(runs)}"])
+        return "; ".join([*versus, f"slot occupancy {_occupancy(runs)}"] if occupancy else versus)
 
     return value
 
@@ -289,11 +306,11 @@ def _sim_check(data: Mapping[str, Any]) -> str:
         rows = [row for row in data["rows"] if row.get(key) is not None]
         worst = max(rows, key=lambda row: abs(row[key]))
         hits = sum(1 for row in rows if abs(row[key]) <= 0.10)
-        return f"{hits} of {len(rows)} modes, largest miss {worst[key]:+.0%} ({worst['mode']})"
+        return f"{hits} of {len(rows)} modes within 10 %, largest miss {worst[key]:+.0%} ({worst['mode']})"
 
     _, miss, other = like_for_like(dict(data))
     ran, flipped = ("with", "without") if data.get("engine_prefix_cache", False) else ("without", "with")
-    return f"within 10 % ({ran} vLLM's prefix cache, as the engine ran): {within(miss)}; {flipped} it {within(other)}"
+    return f"like for like ({ran} vLLM's prefix cache): {within(miss)}; {flipped} it: {within(other)}"
 
 
 def _sim_check_table(data: Mapping[str, Any]) -> str:
@@ -382,36 +399,33 @@ FIGURES: tuple[Figure, ...] = (
         value=lambda data: _final_rewards(data, "sync", "tail_on_policy"),
     ),
     Figure(
+        id="peer-emulated-prefix",
+        claim="through verl's trainers on our CPU engine emulating 32B on one H20, prefill charged behind vLLM's "
+        "prefix cache as verl runs it; `default_knee`: "
+        "`partial.max_calls_per_server=28`, near the H20's compute knee; issue 25's goals per trained token, paired "
+        "by round; a ceiling: the most any colocated schedule at staleness <= 1 could reach on `default`'s batches "
+        "(verl_partial/sim/bound.py)",
+        source="peer_emulated_prefix.json",
+        label="emulated",
+        value=_peer_goals_measured,
+        image="img/peer_emulated_prefix.png",
+    ),
+    Figure(
         id="peer-emulated",
-        claim="every mode through verl's trainers (v1's also with a 0.05 s poll) on our CPU engine emulating 32B on "
-        "one H20; issue 25's goals per trained token, paired by round; a ceiling: the most any colocated schedule "
-        "at staleness <= 1 could reach on `default`'s batches (verl_partial/sim/bound.py)",
+        claim="every mode (v1's also with a 0.05 s poll), no prefix cache modelled",
         source="peer_emulated.json",
         label="emulated",
-        value=_peer_goals,
+        value=_paired(("default", "v0_sync"), ("default", "v1_async_bound"), occupancy=False),
         table=_peer_table_and_costs,
         image="img/peer_emulated.png",
     ),
     Figure(
-        id="peer-emulated-knee",
-        claim="the same, rewards scored during the step; `default_knee`: `partial.max_calls_per_server=28`, near "
-        "the H20's compute knee (past it, requests add step time, not throughput)",
-        source="peer_emulated_knee.json",
-        label="emulated",
-        value=_paired(("default_knee", "default"), ("default", "v1_async_bound")),
-        image="img/peer_emulated_knee.png",
-    ),
-    Figure(
         id="peer-emulated-knee-v1",
-        claim="the same on an Intel Xeon, v1 `colocate_async` also given the knee as an engine setting "
-        "(`rollout.max_num_seqs=28`)",
+        claim="`default_knee` and v1 `colocate_async`, no prefix cache modelled, v1 also given the knee as an engine "
+        "setting (`rollout.max_num_seqs=28`)",
         source="peer_emulated_knee_v1.json",
         label="emulated",
-        value=_paired(
-            ("default_knee", "v1_async_bound_knee"),
-            ("default_knee", "v1_async_bound"),
-            ("v1_async_bound_knee", "v1_async_bound"),
-        ),
+        value=_paired(("default_knee", "v1_async_bound_knee"), ("v1_async_bound_knee", "v1_async_bound")),
     ),
     Figure(
         id="peer-emulated-knee-sync",
@@ -478,25 +492,26 @@ FIGURES: tuple[Figure, ...] = (
         value=_sim_knee,
     ),
     Figure(
-        id="sim-vs-emulated",
-        claim="the simulator (parameters frozen, seeds 0-4) beside the emulated engine, peer workload, rollout phase "
-        "per trained token: a check of the scheduler model, not of the GPU curve both share",
-        source="sim_check_emulated.json",
+        id="sim-vs-emulated-prefix",
+        claim="the simulator (parameters frozen, seeds 0-4) beside the emulated engine on `peer-emulated-prefix`'s "
+        "runs (v1 unsimulated), rollout phase per trained token: a check of the scheduler model, not of the GPU curve "
+        "both share",
+        source="sim_check_prefix.json",
         label="simulated",
         value=_sim_check,
         table=_sim_check_table,
     ),
     Figure(
-        id="sim-vs-emulated-kv",
-        claim="the same check on `peer-emulated-kv`'s runs, the simulator's servers holding the H20's KV cache",
-        source="sim_check_production_kv.json",
+        id="sim-vs-emulated",
+        claim="the same check on `peer-emulated`'s runs",
+        source="sim_check_emulated.json",
         label="simulated",
         value=_sim_check,
     ),
     Figure(
-        id="sim-vs-emulated-knee",
-        claim="the same check on `peer-emulated-knee`'s runs (v1 unsimulated)",
-        source="sim_check_knee.json",
+        id="sim-vs-emulated-kv",
+        claim="the same check on `peer-emulated-kv`'s runs",
+        source="sim_check_production_kv.json",
         label="simulated",
         value=_sim_check,
     ),
@@ -611,7 +626,7 @@ def render() -> str:
         "# Evidence",
         "",
         "Current figures, each once, written from `benchmarks/results/` by `python -m benchmarks.evidence` (do not",
-        "edit by hand). Date, command (output paths left out) and commit come from each results file.",
+        "edit by hand), with each results file's date, command and commit.",
         "",
         "## Figures",
         "",

@@ -6,7 +6,7 @@ The real scheduler over the simulator's vLLM servers: rollout phase per trained 
 ships (512 calls a server), capped at the server's compute knee (``ServerSpec.compute_knee``: past it a request adds
 step time, not throughput) and at half of it, and of sync. One server of 256 slots where requests queue (64 x 8
 samples of 7B, lengths median 1,000, p99/p50 8, cap 8,192), on an H100 (knee 210, near its slots) and on an H20
-(knee 26, far below them). The emulated-engine check of the same cap is `peer-emulated-knee` on the evidence page.
+(knee 26, far below them). The emulated-engine check of the same cap is `peer-emulated-prefix` on the evidence page.
 """
 
 from __future__ import annotations

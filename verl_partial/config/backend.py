@@ -90,9 +90,9 @@ class BackendConfig:
     emulate_gpu: EmulateGpu | None = None
     """A GPU-shaped engine: ``<GPU>/<model>`` in the simulator's names. Each step of our CPU engine runs its forward,
     then sleeps, cores idle, until it has lasted what that model takes on one such GPU (the simulator's roofline);
-    the engine holds only that GPU's KV cache, preempting as vLLM does, and with ``rollout.enable_prefix_caching``
-    (verl's default) a step is charged only the prefill vLLM's prefix cache leaves. The trainer, Ray, the scheduler,
-    aborts and weight sync stay real. Overrunning steps are counted (``engine/overruns``). Figures from it are
+    the engine holds only that GPU's KV cache, preempting as vLLM does, and charges only the prefill vLLM's prefix
+    cache leaves (``rollout.enable_prefix_caching``). The trainer, Ray, the scheduler, aborts and weight sync stay
+    real. Overrunning steps are counted (``engine/overruns``). Figures from it are
     "emulated". Our engine only: refused with ``cpu_vllm``."""
 
     def __post_init__(self) -> None:
