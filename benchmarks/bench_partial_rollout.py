@@ -29,7 +29,7 @@ so a noisy neighbour on the shared machine slows all modes alike):
   the longest.
 * ``partial``: ``run_step`` over a ``RolloutPool`` with ``extra_groups`` groups in flight beyond ``B``; once ``B``
   whole groups are finished the rest is aborted (``abort_on_done``), parked and resumed next step by re-prefilling
-  prompt + partial response (the CPU engine has no prefix cache, so that re-prefill is paid and counted).
+  prompt + partial response (the plain CPU engine keeps no prefix cache, so that re-prefill is paid and counted).
   Staleness: the package default (``max_staleness=1``, ``restart``), so tokens older than one version are thrown
   away and counted as discarded.
 * ``partial+budget``: Kimi k1.5-style per-step token budget per sample (``staleness_policy=keep``, as the

@@ -59,8 +59,9 @@ class ServerSpec:
     ``step_overhead_s``: fixed time added to every engine step (CPU scheduling, kernel launches, tensor-parallel
     all-reduce latency). 0 in the model we validated and project with; a what-if knob (docs/method/gpu-simulator.md).
     ``prefix_cache``: vLLM's (on in verl): a group's samples share their prompt's prefill, and a request re-admitted
-    on the same weights keeps what it held. ``False`` prefills every request's whole context, as our CPU engine does;
-    the simulator then models that engine, for checking it against its emulated-GPU runs.
+    on the same weights keeps what it held. ``False`` prefills every request's whole context, as our emulated engine
+    does with ``rollout.enable_prefix_caching=false`` (and did before it modelled the cache), for checking the
+    simulator against such runs.
     """
 
     gpu: GpuSpec
