@@ -421,15 +421,14 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="peer-emulated-knee-v1",
-        claim="`default_knee` and v1 `colocate_async`, no prefix cache modelled, v1 also given the knee as an engine "
-        "setting (`rollout.max_num_seqs=28`)",
-        source="peer_emulated_knee_v1.json",
+        claim="as `peer-emulated-prefix`, v1 also given the knee as an engine setting (`rollout.max_num_seqs=28`)",
+        source="peer_emulated_prefix_knee_v1.json",
         label="emulated",
         value=_paired(("default_knee", "v1_async_bound_knee"), ("v1_async_bound_knee", "v1_async_bound")),
     ),
     Figure(
         id="peer-emulated-knee-sync",
-        claim="the same for verl's synchronous rollout (`v0_sync_knee`)",
+        claim="verl's synchronous rollout given the same engine setting (`v0_sync_knee`), no prefix cache modelled",
         source="peer_emulated_knee_sync.json",
         label="emulated",
         value=_paired(("default_knee", "v0_sync_knee"), ("v0_sync_knee", "v0_sync")),
