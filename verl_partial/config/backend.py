@@ -65,16 +65,13 @@ class EmulatedGpu:
     def name(self) -> str:
         return f"{self.gpu}/{self.model}"
 
-    def server_spec(self, max_num_seqs: int, prefix_cache: bool = True) -> ServerSpec:
+    def server_spec(self, max_num_seqs: int) -> ServerSpec:
         """The simulator's server for this GPU and model; its ``step_seconds`` is the engine's step time, its
-        ``kv_capacity_tokens`` the engine's KV-cache capacity. ``prefix_cache``: the rollout's
-        ``enable_prefix_caching``, which the emulated engine charges its prefill by."""
+        ``kv_capacity_tokens`` the engine's KV-cache capacity."""
         from verl_partial.sim.engine import ServerSpec
         from verl_partial.sim.hardware import GPUS, MODELS
 
-        return ServerSpec(
-            gpu=GPUS[self.gpu], model=MODELS[self.model], max_num_seqs=max_num_seqs, prefix_cache=prefix_cache
-        )
+        return ServerSpec(gpu=GPUS[self.gpu], model=MODELS[self.model], max_num_seqs=max_num_seqs)
 
 
 @dataclass(frozen=True)
@@ -92,8 +89,8 @@ class BackendConfig:
     then sleeps, cores idle, until it has lasted what that model takes on one such GPU (the simulator's roofline);
     the engine holds only that GPU's KV cache, preempting as vLLM does, and charges only the prefill vLLM's prefix
     cache leaves (``rollout.enable_prefix_caching``). The trainer, Ray, the scheduler, aborts and weight sync stay
-    real. Overrunning steps are counted (``engine/overruns``). Figures from it are
-    "emulated". Our engine only: refused with ``cpu_vllm``."""
+    real. Overrunning steps are counted (``engine/overruns``). Figures from it are "emulated". Our engine only:
+    refused with ``cpu_vllm``."""
 
     def __post_init__(self) -> None:
         if self.name not in BACKEND_NAMES:

@@ -687,7 +687,7 @@ class CpuBatchedEngine:
             need -= victim.context_len + 1
             preempted.append(victim)
             self._waiting.appendleft(victim)  # the oldest of them ends up first, as in vLLM and the simulator
-            self._release_from_prefix_cache(victim)
+            self._release_from_prefix_cache(victim, in_use_tokens=need - len(running))  # the victim's room is free
         self._stats.preemptions += len(preempted)
         return preempted
 
@@ -752,12 +752,12 @@ class CpuBatchedEngine:
             return 0
         return self._prefix_cache.admit(request.request_id, request.sequence, self._context_in_use())
 
-    def _release_from_prefix_cache(self, request: EngineRequest) -> None:
-        """A request leaves the batch: the KV it computed (all but its last sampled token) becomes reusable."""
+    def _release_from_prefix_cache(self, request: EngineRequest, in_use_tokens: int | None = None) -> None:
+        """A request leaves the batch: the KV it computed (all but its last sampled token) becomes reusable.
+        ``in_use_tokens``: the running requests' context, where the slots still list the request (a preemption)."""
         if self._prefix_cache is not None:
-            self._prefix_cache.release(
-                request.request_id, request.sequence[: request.cached_len], self._context_in_use()
-            )
+            in_use = self._context_in_use() if in_use_tokens is None else in_use_tokens
+            self._prefix_cache.release(request.request_id, request.sequence[: request.cached_len], in_use)
 
     def _context_in_use(self) -> int:
         return sum(r.context_len for r in self._slots if not r.done)
