@@ -411,6 +411,15 @@ FIGURES: tuple[Figure, ...] = (
         image="img/peer_emulated_prefix.png",
     ),
     Figure(
+        id="peer-emulated-h200",
+        claim="as `peer-emulated-prefix`, emulating 32B on one H200, whose step time is flat to 64 requests (compute "
+        "knee 147, the H20's 26); picked before measuring as the simulator's GPU that idles in the tail",
+        source="peer_emulated_h200.json",
+        label="emulated",
+        value=_peer_goals_measured,
+        image="img/peer_emulated_h200.png",
+    ),
+    Figure(
         id="peer-emulated",
         claim="every mode (v1's also with a 0.05 s poll), no prefix cache modelled",
         source="peer_emulated.json",
@@ -451,7 +460,6 @@ FIGURES: tuple[Figure, ...] = (
         source="peer_tail_emulated.json",
         label="emulated",
         value=_peer_tail,
-        table=_peer_table,
     ),
     Figure(
         id="peer-emulated-fill",
@@ -499,6 +507,13 @@ FIGURES: tuple[Figure, ...] = (
         label="simulated",
         value=_sim_check,
         table=_sim_check_table,
+    ),
+    Figure(
+        id="sim-vs-emulated-h200",
+        claim="the same check on `peer-emulated-h200`'s runs",
+        source="sim_check_h200.json",
+        label="simulated",
+        value=_sim_check,
     ),
     Figure(
         id="sim-vs-emulated",
