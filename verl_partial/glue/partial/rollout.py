@@ -55,6 +55,7 @@ from verl_partial.glue.dataproto import (
 )
 from verl_partial.glue.partial.agent_loop import FinishedSample, PartialAgentLoopWorker
 from verl_partial.glue.partial.segment_backend import WORKER_MAX_CONCURRENCY, WorkerSegmentBackend, worker_of
+from verl_partial.glue.partial.step_loop import run_on_own_loop
 from verl_partial.patches import guard
 
 if TYPE_CHECKING:
@@ -400,7 +401,7 @@ class PartialRolloutLoader:
         # judges by them. Without reward loop workers (a reward model colocated with the actor) verl scores in fit().
         early = self.pool.group_filter is not None or manager.reward_loop_worker_handles is not None
         scorer = WorkerGroupScorer(manager.agent_loop_workers) if early else None
-        result = asyncio.run(
+        result = run_on_own_loop(
             run_step(
                 self.pool,
                 backend,

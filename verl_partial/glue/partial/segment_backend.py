@@ -42,9 +42,9 @@ class WorkerSegmentBackend:
     each worker has cached. ``servers`` and ``replicas`` are in the same order (verl's ``LLMServerManager``: one
     address per replica).
 
-    A server's resume is chained on its abort's Ray refs, not on this step's event loop (``asyncio.run`` per step):
-    vLLM's abort pauses its engine only after its admission barrier, so a resume sent before the abort returned
-    would be undone, and an abort may return after the step's loop is gone.
+    A server's resume is chained on its abort's Ray refs, not on this step's event loop (one per step,
+    ``run_on_own_loop``): vLLM's abort pauses its engine only after its admission barrier, so a resume sent before
+    the abort returned would be undone, and an abort may return after the step's loop is gone.
     """
 
     def __init__(
@@ -80,7 +80,7 @@ class WorkerSegmentBackend:
         return self._servers
 
     def begin_step(self, pool: RolloutPool[Row]) -> None:
-        """Each step runs on its own event loop (``asyncio.run``): nothing of the last one's loop may linger."""
+        """Each step runs on its own event loop (``run_on_own_loop``): nothing of the last one's loop may linger."""
         if self.pending:
             raise RuntimeError("calls of the previous step were never sent nor cancelled")
         if self.flush_handle is not None:
