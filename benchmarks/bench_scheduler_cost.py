@@ -14,8 +14,8 @@ Counted per step: scheduler wake-ups (``_Step.wait`` calls), calls launched and 
 calls the glue (verl_partial/glue/partial/segment_backend.py) would make for them with ``--workers`` AgentLoopWorkers
 (a group's calls go to worker ``group_id % workers``):
 
-* launch: waves within ``LAUNCH_WINDOW_S`` form one flush, one streaming ``run_segments`` call per worker it touches
-  (``_flush``);
+* launch: the glue's :class:`~verl_partial.core.partial.launch_window.LaunchWindow` (at most one flush per
+  ``LAUNCH_WINDOW_S``, the first at once), one streaming ``run_segments`` call per worker a flush touches (``_flush``);
 * take-back / cancel: one ``take_back_segments`` / ``cancel_segments`` per worker holding sent calls among them (a call
   still in its launch window is dropped there, no Ray call: ``_sent_by_worker``);
 * abort / resume / progress of a server: one Ray call per control server of its replica (``EngineAdapter``), counted
@@ -50,6 +50,7 @@ from verl_partial.config.partial import PRESETS
 from verl_partial.core.partial import scheduler
 from verl_partial.core.partial.finish import Finish
 from verl_partial.core.partial.group_filter import SampleScore
+from verl_partial.core.partial.launch_window import LAUNCH_WINDOW_S, LaunchWindow
 from verl_partial.core.partial.on_policy import length_estimator
 from verl_partial.core.partial.pool import GroupState, RolloutPool, SegmentRequest, SegmentResult
 from verl_partial.sim.clock import run_virtual
@@ -58,8 +59,6 @@ RESPONSE_LENGTH, MEDIAN_TOKENS, TOKENS_PER_S = 16384, 6000, 30.0
 PROMPT_IDS = np.arange(3, 13, dtype=np.int32)  # every segment reports the same tokenised prompt, as engines do
 CONTROLS = ("take_back_segments", "cancel_segments", "abort", "resume", "progress", "score")
 SCORE_S = 1.0  # virtual seconds a scoring call takes (a rule-based reward on verl's reward loop workers)
-# The glue's (verl_partial/glue/partial/segment_backend.py; importing it imports verl): the test checks they agree.
-LAUNCH_WINDOW_S = 0.05
 VERL_SOURCE = "verl/experimental/agent_loop/agent_loop.py:AgentLoopManager.generate_sequences (verl 0.9.1)"
 
 
@@ -75,12 +74,10 @@ class StandInEngine:
         self.count: Counter[str] = Counter()
         self.window: set[str] = set()  # calls of the open launch window (not sent yet, as in the glue)
         self.window_workers: set[int] = set()
-        self.flush_handle: asyncio.TimerHandle | None = None
+        self.launch_window = LaunchWindow(self._flush)  # the glue's rule, the glue's class
 
     def begin_step(self) -> None:  # the glue's: a step's loop ends with it, and its unfired flush
-        if self.flush_handle is not None:
-            self.flush_handle.cancel()
-            self.flush_handle = None
+        self.launch_window.reset()
         self.window.clear()
         self.window_workers.clear()
 
@@ -98,12 +95,10 @@ class StandInEngine:
             self.window.add(request.request_id)
             self.window_workers.add(group.group_id % self.workers)
             futures.append(future)
-        if self.flush_handle is None:
-            self.flush_handle = loop.call_later(LAUNCH_WINDOW_S, self._flush)
+        self.launch_window.request()
         return futures
 
     def _flush(self) -> None:
-        self.flush_handle = None
         self.count["run_segments"] += len(self.window_workers)
         self.window.clear()
         self.window_workers.clear()

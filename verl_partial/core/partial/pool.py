@@ -19,6 +19,7 @@ random schedules in milliseconds:
 from __future__ import annotations
 
 import dataclasses
+import math
 from bisect import bisect_left, bisect_right, insort
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -676,8 +677,19 @@ class RolloutPool(Generic[P]):
         return passed
 
     def ready_groups(self) -> list[GroupState[P]]:
-        """Finished groups, oldest first."""
-        return [self.groups[group_id] for group_id in sorted(self._finished)]
+        """Finished groups, those holding the oldest tokens first, then in admission order.
+
+        By tokens, not by admission: a group admitted early whose calls got nowhere (taken back in transit at step
+        ends) finishes on fresh tokens, while one admitted after it holds tokens as old as the bound allows. Taken
+        in admission order at a step where both were done, the second was left over and restarted at the next step
+        start under ``wait`` (found by the property test, seed 501)."""
+        finished = [self.groups[group_id] for group_id in sorted(self._finished)]
+        return sorted(finished, key=self._oldest_token_version)
+
+    @staticmethod
+    def _oldest_token_version(group: GroupState[P]) -> float:
+        versions = [sample.oldest_version for sample in group.samples if sample.oldest_version is not None]
+        return min(versions, default=math.inf)
 
     def step_done(self) -> bool:
         """``batch_groups`` finished groups, and (``wait``) no unfinished group that must be trained this step, nor
@@ -685,8 +697,8 @@ class RolloutPool(Generic[P]):
 
         The look-ahead matters with extra groups: groups admitted later can finish first and fill a step, while the
         older ones keep generating; if more old groups then come due at once than one step trains, one of them would
-        exceed ``max_staleness`` (found by the property test, seed 7961). Waiting lets the old ones finish, and being
-        older they are taken first."""
+        exceed ``max_staleness`` (found by the property test, seed 7961). Waiting lets the old ones finish, and holding
+        older tokens they are taken first."""
         if len(self._finished) < self.batch_groups:
             return False
         if self.config.staleness_policy != "wait":
@@ -698,7 +710,7 @@ class RolloutPool(Generic[P]):
             return False
         if len(self.groups) <= 2 * self.batch_groups:
             return True  # at most a batch is left after this step's: the next step trains it (the default's case)
-        taken = set(sorted(self._finished)[: self.batch_groups])
+        taken = {group.group_id for group in self.ready_groups()[: self.batch_groups]}
         due_next = sum(
             1
             for group in self.groups.values()
@@ -733,7 +745,7 @@ class RolloutPool(Generic[P]):
         self.count(budget_rounds=1)
 
     def take_ready(self) -> list[GroupState[P]]:
-        """Hand ``batch_groups`` finished groups to training, oldest first, and forget them."""
+        """Hand ``batch_groups`` finished groups to training (:meth:`ready_groups`' order), and forget them."""
         if self.in_flight():
             raise RuntimeError("take_ready() with requests in flight: abort or await them first")
         ready = self.ready_groups()

@@ -217,15 +217,17 @@ class PartialAgentLoopManager(AgentLoopManager):
         result: StepResult[Row],
         version: int,
         extra_metrics: dict[str, float],
+        seconds: float,
         on_hand_over: Callable[[list[tuple[GroupState[Row], int]], DataProto], None] | None = None,
     ) -> None:
         """Hold this step's finished groups until ``fit()`` asks for them; ``on_hand_over(order, output)`` sees
-        the rows built for them (``order[i]`` = group and sample index of row ``i``)."""
+        the rows built for them (``order[i]`` = group and sample index of row ``i``). ``seconds``: the step's time in
+        the loader, which ``fit()`` does not time, added to its ``timing_s/gen`` and ``timing_s/step``."""
         self._on_hand_over = on_hand_over
         self._prepared = {group.key: group for group in result.trained}
         self._prepared_meta = {
             "metrics": {**result.metrics, **extra_metrics},
-            "gen_seconds": result.seconds,
+            "gen_seconds": seconds,
             "version": version,
         }
 
@@ -372,6 +374,8 @@ class PartialRolloutLoader:
             yield batch
 
     def _next_step(self) -> dict[str, Any]:
+        # All of it is rollout time outside fit()'s timers (run_step's, and the driver's work around it).
+        started = time.perf_counter()
         trainer = self.trainer
         manager: PartialAgentLoopManager = trainer.async_rollout_manager
         if not isinstance(manager, PartialAgentLoopManager):
@@ -438,12 +442,10 @@ class PartialRolloutLoader:
             extra.update(trained_turn_metrics([s.payload for g in result.trained for s in g.samples], step - 1))
             parked = [s.payload for g in self.pool.groups.values() for s in g.samples if s.payload is not None]
             extra.update(parked_turn_metrics(parked))
-        manager.prepare(result, step - 1, extra, on_hand_over=dump)
         self._write_ledger(step)
-        rows = []
-        for group in result.trained:
-            rows.append({**group.prompt, PARTIAL_KEY: group.key})
-        return stack_rows(rows)
+        rows = stack_rows([{**group.prompt, PARTIAL_KEY: group.key} for group in result.trained])
+        manager.prepare(result, step - 1, extra, time.perf_counter() - started, on_hand_over=dump)
+        return rows
 
     def _write_ledger(self, step: int) -> None:
         events, self.pool.events = self.pool.events, []

@@ -20,16 +20,13 @@ import numpy as np
 
 from verl_partial.core.engines.adapter import EngineAdapter
 from verl_partial.core.partial.finish import Finish
+from verl_partial.core.partial.launch_window import LaunchWindow
 from verl_partial.core.partial.pool import GroupState, RolloutPool, SegmentRequest, SegmentResult
 from verl_partial.glue.partial.agent_loop import SegmentAnswer, SegmentCall
 from verl_partial.glue.partial.tool_loop import ROW_KEYS
 
 Row = dict[str, Any]
 
-# Calls launched within this window go out together (one Ray call per worker). Admissions arrive one finished
-# group at a time; the window merges them into fewer calls while delaying a new group's start by at most this
-# much, which an engine already holding hundreds of requests never notices.
-LAUNCH_WINDOW_S = 0.05
 WORKER_MAX_CONCURRENCY = 100_000
 
 
@@ -70,7 +67,8 @@ class WorkerSegmentBackend:
         self.futures: dict[str, asyncio.Future[SegmentResult]] = {}
         self.calls: dict[str, tuple[int, str]] = {}  # request id -> (worker, server) of calls sent
         self.pending: dict[int, list[tuple[SegmentCall, asyncio.Future[SegmentResult]]]] = {}
-        self.flush_handle: asyncio.TimerHandle | None = None
+        # At most one flush (one Ray call per worker) per launch window, the first at once.
+        self.window = LaunchWindow(self._flush)
         self.streams: set[asyncio.Task[None]] = set()
         # Groups whose raw prompt was sent to a worker and whose ids the pool does not hold yet, per worker.
         self.prompt_sent: dict[int, set[str]] = {index: set() for index in range(len(workers))}
@@ -83,9 +81,7 @@ class WorkerSegmentBackend:
         """Each step runs on its own event loop (``run_on_own_loop``): nothing of the last one's loop may linger."""
         if self.pending:
             raise RuntimeError("calls of the previous step were never sent nor cancelled")
-        if self.flush_handle is not None:
-            self.flush_handle.cancel()
-            self.flush_handle = None
+        self.window.reset()
         # Calls the scheduler abandoned last step (their server never answered the cancel) are forgotten.
         self.futures.clear()
         self.calls.clear()
@@ -113,12 +109,10 @@ class WorkerSegmentBackend:
             self.futures[request.request_id] = future
             self.pending.setdefault(worker, []).append((call, future))
             futures.append(future)
-        if self.flush_handle is None:
-            self.flush_handle = loop.call_later(LAUNCH_WINDOW_S, self._flush)
+        self.window.request()
         return futures
 
     def _flush(self) -> None:
-        self.flush_handle = None
         pending, self.pending = self.pending, {}
         groups = self.pool.groups.values() if self.pool is not None else ()
         unknown = {group.key for group in groups if group.prompt_ids is None}
