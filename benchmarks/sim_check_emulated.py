@@ -162,8 +162,10 @@ def predict(results: dict[str, Any], engine: str, prompt_len: int, prefix_cache:
 def busy_share(results: dict[str, Any], engine: str, mode: str) -> list[float]:
     """Per run, the engine's modelled step time over the trainer's rollout phases (every step, as the counters are
     cumulative): the share of the phase the simulator models at all. The rest is the engine idle inside the phase
-    (Ray, the agent loops, the step end, weight sync hand-off), which the simulator leaves out. The counters are
-    written every 200 engine steps, so the last few seconds of a run may be missing: a slight underestimate."""
+    (Ray, the agent loops, the step end, weight sync hand-off), which the simulator leaves out, and the first step's
+    start-up (the first round trip to the servers, seconds): in v0 sync's phase and, since ``bd29dc7``, in ours; v1
+    warms up outside its timers. The counters are written every 200 engine steps, so the last few seconds of a run
+    may be missing: a slight underestimate."""
     shares = []
     for run in results["runs"]:
         if run.get("engine") != engine or run["mode"] != mode or overran(run) or not usable(run):
