@@ -5,8 +5,8 @@ Each flush is one streaming Ray call per AgentLoopWorker it touches, so the glue
 thousands of Ray calls a step. The limit holds the *next* flush back, never the first: a wave after a quiet window
 goes out at once. The step's first wave (every carried-over sample, whose longest answer the whole step waits for)
 and a refill while the engines drain would otherwise wait a whole window with the engines idle: measured through
-verl's trainer on the emulated H200, a step's first engine step came 57-62 ms after its launch with a delay on the
-trailing edge (about 1 % of its rollout phase), and 8-11 ms with this rule.
+verl's trainer on the emulated H200, a step's first engine step came 57-62 ms into the step when every wave waited
+out the window (about 1 % of its rollout phase), and 8-11 ms into it with this rule.
 """
 
 from __future__ import annotations
@@ -28,11 +28,6 @@ class LaunchWindow:
         self._flush = flush
         self._last: float | None = None  # the running loop's time of the last flush; None: none on this loop yet
         self._handle: asyncio.Handle | None = None
-
-    @property
-    def waiting(self) -> bool:
-        """A flush is scheduled and has not run yet."""
-        return self._handle is not None
 
     def request(self) -> None:
         """Launches are waiting: flush them as the rule allows (once, however often this is called before)."""

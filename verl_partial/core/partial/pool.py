@@ -688,7 +688,7 @@ class RolloutPool(Generic[P]):
 
     @staticmethod
     def _oldest_token_version(group: GroupState[P]) -> float:
-        versions = [sample.oldest_version for sample in group.samples if sample.oldest_version is not None]
+        versions = [version for sample in group.samples if (version := sample.oldest_version) is not None]
         return min(versions, default=math.inf)
 
     def step_done(self) -> bool:
