@@ -115,7 +115,20 @@ MODEL_SHAPES: dict[str, dict[str, int]] = {
 EMULATE_OVERRIDE = f"ray_kwargs.ray_init.runtime_env.env_vars.{EMULATE_GPU_ENV}"
 # A run whose engine overran its modelled step in this share of steps or more gives no emulated figure.
 MAX_OVERRUN_FRACTION = 0.01
-FIGURES = {"rollout": "rollout phase", "step": "whole step", "occupancy": "slot occupancy"}
+FIGURES = {
+    "rollout": "rollout phase",
+    "step": "whole step",
+    "cycle": "step cycle (wall clock)",
+    "window": "rollout window (wall clock)",
+    "occupancy": "slot occupancy",
+}
+# The RunFigures property of each figure a speed-up divides.
+PER_TOKEN = {
+    "rollout": "gen_ms_per_token",
+    "step": "step_ms_per_token",
+    "cycle": "cycle_ms_per_token",
+    "window": "window_ms_per_token",
+}
 # Calls per server near the emulated H20's compute knee: above about 26 running requests a bf16 decode step costs
 # compute, not the weights' read, so the phase start's burst takes time the tail's half-empty steps could have
 # absorbed. The simulator's best cap on the peer workload (24-32 about level; 16 much worse).
@@ -436,6 +449,9 @@ class RunFigures:
     occupancy: float | None = None  # None: the engine exposes no counters
     probe_s: float | None = None  # the calibration probe before the run
     floor_s: float | None = None  # emulated GPU only: :func:`staleness_floor` of the run's batches
+    # Our engine only (:func:`stamped_seconds`): per step, weight load to weight load, and weight load to sleep.
+    cycle_s: float | None = None
+    window_s: float | None = None
 
     @property
     def occupancy_ceiling(self) -> float | None:
@@ -452,6 +468,14 @@ class RunFigures:
     @property
     def step_ms_per_token(self) -> float:
         return 1e3 * self.step_s / self.tokens_trained
+
+    @property
+    def cycle_ms_per_token(self) -> float | None:
+        return None if self.cycle_s is None else 1e3 * self.cycle_s / self.tokens_trained
+
+    @property
+    def window_ms_per_token(self) -> float | None:
+        return None if self.window_s is None else 1e3 * self.window_s / self.tokens_trained
 
     @property
     def tokens_per_s(self) -> float:
@@ -476,6 +500,34 @@ def staleness_floor(run: dict[str, Any], wl: Workload, gpu: EmulatedGpu) -> floa
     prompt = min(float(step["prompt_length/min"]) for step in measured_steps(run, wl.first_measured))
     floors = StepCostFloor.of_server(gpu.server_spec(wl.slots))
     return float(phase_floor(trained_steps(run, wl), int(prompt), floors, servers=1, max_staleness=1))
+
+
+def stamped_seconds(run: dict[str, Any], first: int) -> tuple[float, float] | None:
+    """Mean seconds per measured step of the step cycle (weight load to weight load) and the rollout window (weight
+    load to the engine's sleep), from our engine's stamps (``CpuBatchedEngine.mark``, replica 0); None where there
+    are none (verl's vLLM, a run stored before them) or a measured step lacks one.
+
+    One clock for every trainer where their timers differ: verl's v1 resumes generation inside its
+    ``update_weights`` timer and generates on while its driver logs the step, outside ``timing_s/gen`` and
+    ``timing_s/step``; ours and v0 sync leave the engine idle then. Step ``s`` generates on the weights loaded at
+    the end of step ``s - 1`` (``update_weights(global_steps)``, both trainers) and ends with the load for ``s``."""
+    stats = run.get("engine_stats") or []
+    marks = stats[0].get("marks") if stats else None
+    if not marks:
+        return None
+    loads = {int(step): float(at) for event, step, at in marks if event == "weights" and step is not None}
+    sleeps = sorted(float(at) for event, _, at in marks if event == "sleep")
+    cycles, windows = [], []
+    for step in sorted(int(key) for key, data in run["steps"].items() if int(key) >= first and "timing_s/gen" in data):
+        start, end = loads.get(step - 1), loads.get(step)
+        if start is None or end is None:
+            return None
+        ended = next((at for at in sleeps if at > start), None)
+        if ended is None or ended > end:
+            return None
+        cycles.append(end - start)
+        windows.append(ended - start)
+    return (statistics.fmean(cycles), statistics.fmean(windows)) if cycles else None
 
 
 def figures(run: dict[str, Any], wl: Workload, gpu: EmulatedGpu | None = None) -> RunFigures | None:
@@ -505,6 +557,7 @@ def figures(run: dict[str, Any], wl: Workload, gpu: EmulatedGpu | None = None) -
         occupancy: float | None = modelled_occupancy(tokens, gen_s, wl, gpu)
     else:
         occupancy = None if counters is None else counters["slot_occupancy"]
+    cycle_s, window_s = stamped_seconds(run, wl.first_measured) or (None, None)
     return RunFigures(
         steps=len(steps),
         gen_s=gen_s,
@@ -520,6 +573,8 @@ def figures(run: dict[str, Any], wl: Workload, gpu: EmulatedGpu | None = None) -
         occupancy=occupancy,
         probe_s=run.get("probe", {}).get("seconds"),
         floor_s=None if gpu is None else staleness_floor(run, wl, gpu),
+        cycle_s=cycle_s,
+        window_s=window_s,
     )
 
 
@@ -540,9 +595,11 @@ def same_round(base: list[RunFigures], other: list[RunFigures]) -> list[tuple[Ru
 
 
 def ratios(base: list[RunFigures], other: list[RunFigures], figure: str = "step") -> list[float]:
-    """``base``'s time per trained token over ``other``'s, round by round: above 1, ``other`` is faster."""
-    attr = {"rollout": "gen_ms_per_token", "step": "step_ms_per_token"}[figure]
-    return [getattr(b, attr) / getattr(o, attr) for b, o in same_round(base, other)]
+    """``base``'s time per trained token over ``other``'s, round by round: above 1, ``other`` is faster. A round
+    where either run lacks the figure (no engine stamps) pairs nothing."""
+    attr = PER_TOKEN[figure]
+    pairs = [(getattr(b, attr), getattr(o, attr)) for b, o in same_round(base, other)]
+    return [b / o for b, o in pairs if b is not None and o is not None]
 
 
 def ceiling_ratios(base: list[RunFigures], other: list[RunFigures]) -> list[float]:
@@ -713,6 +770,10 @@ def _columns(v0: list[RunFigures], v1: list[RunFigures], compact: bool) -> list[
         values = [r.probe_s for r in runs if r.probe_s is not None]
         return spread(values) if values else "n/a"
 
+    def cycle(runs: list[RunFigures]) -> str:
+        values = [r.cycle_ms_per_token for r in runs if r.cycle_ms_per_token is not None]
+        return spread(values) if len(values) == len(runs) else "-"
+
     return [
         Column("rollout ms / trained token", lambda runs: spread([r.gen_ms_per_token for r in runs])),
         Column("whole step ms / trained token", lambda runs: spread([r.step_ms_per_token for r in runs])),
@@ -720,6 +781,10 @@ def _columns(v0: list[RunFigures], v1: list[RunFigures], compact: bool) -> list[
         Column("step vs v0 sync", lambda runs: speedup(v0, runs, "step")),
         Column("rollout vs v1 colocate_async (bound)", lambda runs: speedup(v1, runs, "rollout")),
         Column("step vs v1 colocate_async (bound)", lambda runs: speedup(v1, runs, "step")),
+        Column("step cycle ms / trained token", cycle),
+        Column("cycle vs v0 sync", lambda runs: speedup(v0, runs, "cycle")),
+        Column("cycle vs v1 colocate_async (bound)", lambda runs: speedup(v1, runs, "cycle")),
+        Column("rollout window vs v1 colocate_async (bound)", lambda runs: speedup(v1, runs, "window"), detail=True),
         Column("slot occupancy", occupancy),
         Column("staleness max (mean)", staleness),
         Column("v1 spans max", lambda runs: f"{max(r.spans_max for r in runs):.0f}", detail=True),

@@ -169,19 +169,25 @@ def _peer_goals(data: Mapping[str, Any]) -> str:
 
 def _peer_goals_measured(data: Mapping[str, Any]) -> str:
     """The goals with their figures, then the whole step of ``default`` and ``default_knee`` against verl's
-    trainers and every mode's slot occupancy: a figure shown without its table."""
-    from benchmarks.bench_peer import by_mode, goal_outcomes, speedup
+    trainers (and, where our engine stamped them, their step cycles and rollout windows on the wall clock) and every
+    mode's slot occupancy: a figure shown without its table."""
+    from benchmarks.bench_peer import by_mode, goal_outcomes, ratios, speedup
 
     engine = _peer_engine(data)
     runs = by_mode(dict(data), engine)
     goals = "; ".join(outcome.measured() for outcome in goal_outcomes(dict(data), engine))
     pairs = (("default", "v0_sync"), ("default", "v1_async_bound"), ("default_knee", "v1_async_bound"))
-    steps = ", ".join(
-        f"`{ours}` vs {base} {speedup(runs[base], runs[ours], 'step')}"
-        for ours, base in pairs
-        if ours in runs and base in runs
-    )
-    return f"{goals}; whole step: {steps}; slot occupancy {_occupancy(runs)}"
+    shown = [(ours, base) for ours, base in pairs if ours in runs and base in runs]
+    steps = ", ".join(f"`{ours}` vs {base} {speedup(runs[base], runs[ours], 'step')}" for ours, base in shown)
+    # Our engine's stamps (bench_peer.stamped_seconds), where the runs carry them: one clock for every trainer.
+    clocks = [
+        f"`{ours}` vs {base}: step cycle {speedup(runs[base], runs[ours], 'cycle')}, rollout window "
+        f"{speedup(runs[base], runs[ours], 'window')}"
+        for ours, base in shown
+        if ratios(runs[base], runs[ours], "cycle")
+    ]
+    stamped = f"; wall clock, weight load to weight load and to sleep: {'; '.join(clocks)}" if clocks else ""
+    return f"{goals}; whole step: {steps}{stamped}; slot occupancy {_occupancy(runs)}"
 
 
 def _peer_engine(data: Mapping[str, Any]) -> str:

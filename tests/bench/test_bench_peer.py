@@ -307,3 +307,39 @@ def test_runs_merged_from_several_checkouts_name_each_in_the_header() -> None:
     assert provenance(merged).commit == "aaa, bbb"  # the evidence page's commit line names both sessions
     assert checkouts({"checkout": "ccc", "runs": [{}]}) == "ccc"  # runs stored before per-run records
     assert checkouts({"runs": [[{"run_id": 1}]]}) is None  # a JSON-lines file's runs are lists of lines
+
+
+def _stamped(run: dict, marks: list[list]) -> dict:
+    return {**run, "engine_stats": [{"steps": 100, "overruns": 0, "modelled_s": 1.0, "marks": marks}]}
+
+
+def test_the_engines_stamps_time_every_trainers_step_cycle_and_rollout_window(peer: ModuleType) -> None:
+    """Step s generates on the weights loaded for s - 1 and ends with the load for s; its rollout window ends at the
+    first sleep after that load. v1 generating outside its own timers shows here and nowhere else."""
+    wl = peer.Workload(steps=3)
+    marks = [["weights", 0, 0.0], ["sleep", 0, 90.0], ["weights", 1, 100.0], ["sleep", 1, 103.0],
+             ["weights", 2, 110.0], ["sleep", 2, 115.0], ["weights", 3, 121.0]]  # fmt: skip
+    ours = peer.figures(_stamped(_run("default", gen_s=2.0, step_s=5.0, mean_length=50.0), marks), wl)
+    assert (ours.cycle_s, ours.window_s) == (pytest.approx((10.0 + 11.0) / 2), pytest.approx((3.0 + 5.0) / 2))
+    assert ours.cycle_ms_per_token == pytest.approx(1e3 * 10.5 / 3200)
+    # v1 with the same timers and a shorter cycle: the timers call the two level, the wall clock does not.
+    faster = [[event, step, at * 0.5] for event, step, at in marks]
+    v1 = peer.figures(_stamped(_run("v1_async_bound", gen_s=2.0, step_s=5.0, mean_length=50.0), faster), wl)
+    assert peer.ratios([v1], [ours], "step") == [pytest.approx(1.0)]
+    assert peer.ratios([v1], [ours], "cycle") == [pytest.approx(0.5)]
+    assert peer.ratios([v1], [ours], "window") == [pytest.approx(0.5)]
+
+
+@pytest.mark.parametrize(
+    "marks",
+    [
+        [],  # verl's vLLM, or a run stored before the stamps
+        [["weights", 1, 100.0], ["sleep", 1, 103.0], ["weights", 2, 110.0]],  # step 3 never ended
+        [["weights", 1, 100.0], ["weights", 2, 110.0], ["sleep", 2, 111.0], ["weights", 3, 120.0]],  # no sleep in 2
+    ],
+)
+def test_a_run_without_every_stamp_gives_no_wall_clock_figure(peer: ModuleType, marks: list[list]) -> None:
+    wl = peer.Workload(steps=3)
+    run = peer.figures(_stamped(_run("default", gen_s=2.0, step_s=5.0, mean_length=50.0), marks), wl)
+    assert (run.cycle_s, run.window_s) == (None, None)
+    assert peer.ratios([run], [run], "cycle") == [] and peer.ratios([run], [run], "rollout") == [1.0]

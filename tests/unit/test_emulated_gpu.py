@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import itertools
 import json
+import time
 
 import pytest
 import torch
@@ -272,7 +273,33 @@ def test_a_server_started_with_the_drivers_env_runs_the_modelled_engine(demo_ass
     assert stats["modelled_s"] == pytest.approx(expected)
     # What a benchmark reads under any trainer (verl's own never ask): the same counters, written as the loop ended.
     written = json.loads((tmp_path / "engine-0.json").read_text())
+    assert written.pop("marks") == []  # no trainer called: nothing stamped
     assert written == {key: stats[key] for key in written} and written["steps"] == 4
+
+
+def test_weight_loads_and_sleeps_are_stamped_in_the_file_a_benchmark_reads(demo_assets, monkeypatch, tmp_path):
+    """What lets the peer benchmark time every trainer's step cycle and rollout window from the engine's side: each
+    weight load (with the trainer's step) and each sleep, on the wall clock, written at once (a Ray run ends by
+    killing the server, so nothing may wait for the loop's end)."""
+    monkeypatch.setenv(ENGINE_STATS_DIR_ENV, str(tmp_path))
+    config = RolloutConfig(name="cpu", prompt_length=32, response_length=8, max_num_seqs=4)
+    server = CpuRolloutServer(
+        config=config, model_config=HFModelConfig(path=str(demo_assets.model_dir)), replica_rank=0
+    )
+    weights: dict[str, torch.Tensor] = {}  # the stamp, not the copy, is under test
+
+    def marks() -> list[list]:
+        return json.loads((tmp_path / "engine-0.json").read_text())["marks"]
+
+    began = time.time()
+    asyncio.run(server.load_weights(weights, 0))
+    assert [mark[:2] for mark in marks()] == [["weights", 0]]
+    asyncio.run(server.sleep())
+    asyncio.run(server.load_weights(weights, 1))
+    stamped = marks()
+    assert [mark[:2] for mark in stamped] == [["weights", 0], ["sleep", 0], ["weights", 1]]
+    times = [mark[2] for mark in stamped]
+    assert began <= times[0] <= times[1] <= times[2] <= time.time()
 
 
 @pytest.mark.parametrize(("emulate", "enable_prefix_caching", "expected"), [(True, False, False), (False, True, False)])

@@ -339,6 +339,7 @@ class CpuBatchedEngine:
         self._requests: dict[str, EngineRequest] = {}  # unfinished requests, waiting or running
         self._paused = False
         self._stats = EngineStats()
+        self._marks: list[tuple[str, int | None, float]] = []  # ``mark``: (event, trainer step, wall-clock seconds)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None
@@ -386,8 +387,21 @@ class CpuBatchedEngine:
         assert self.stats_file is not None
         partial = f"{self.stats_file}.tmp"
         with open(partial, "w") as out:
-            json.dump({**dataclasses.asdict(self._stats), "prefix_caching": self.prefix_caching}, out)
+            record = {**dataclasses.asdict(self._stats), "prefix_caching": self.prefix_caching}
+            json.dump({**record, "marks": [list(mark) for mark in self._marks]}, out)
         os.replace(partial, self.stats_file)
+
+    def mark(self, event: str, step: int | None) -> None:
+        """Stamp a trainer's control call (``"weights"``: a weight load for ``step``; ``"sleep"``: the rollout's end)
+        with the wall clock, and rewrite ``stats_file`` at once.
+
+        Every trainer, ours and verl's v0 and v1, loads weights once per step and puts the engine to sleep once its
+        rollout is over, so these stamps time each one's step cycle and rollout window the same way from the engine's
+        side, where the trainers' own timers differ: verl's v1 resumes generation inside ``update_weights`` and
+        generates on while its driver logs the step, before its next ``gen`` timer starts."""
+        self._marks.append((event, step, time.time()))
+        if self.stats_file is not None:
+            self.write_stats()
 
     @property
     def prefix_caching(self) -> bool:

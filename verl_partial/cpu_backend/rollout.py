@@ -172,6 +172,11 @@ class _CpuServerBase:
     async def load_weights(self, named_tensors: dict[str, torch.Tensor], global_steps: int | None) -> None:
         self.engine.load_weights(named_tensors.items())
         self.global_steps = global_steps
+        self.engine.mark("weights", global_steps)
+
+    async def sleep(self) -> None:
+        """The trainer's rollout is over (``sleep_replicas``): stamped for the benchmark; a CPU engine frees nothing."""
+        self.engine.mark("sleep", self.global_steps)
 
     async def set_global_steps(self, global_steps: int) -> None:
         self.global_steps = global_steps
@@ -396,9 +401,6 @@ class CpuRolloutServer(_CpuServerBase):
 
     async def wait_for_requests_to_drain(self) -> None:
         await self.engine.wait_until(lambda: self.engine.is_idle)
-
-    async def sleep(self) -> None:
-        return None
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -698,6 +700,7 @@ class CpuSglangServer(_CpuServerBase):
 
     async def sleep(self) -> None:
         """``SGLangHttpServer.sleep`` (hybrid): ``release_memory_occupation``, which asserts an idle scheduler."""
+        await super().sleep()
         if self.config.free_cache_engine:
             await self.tokenizer_manager.release_memory_occupation(SimpleNamespace(tags=["kv_cache", "weights"]), None)
 
