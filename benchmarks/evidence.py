@@ -169,8 +169,8 @@ def _peer_goals(data: Mapping[str, Any]) -> str:
 
 def _peer_goals_measured(data: Mapping[str, Any]) -> str:
     """The goals with their figures, then the whole step of ``default`` and ``default_knee`` against verl's
-    trainers (and, where our engine stamped them, their step cycles and rollout windows on the wall clock) and every
-    mode's slot occupancy: a figure shown without its table."""
+    trainers (and, where our engine stamped them, their step cycles on the wall clock against v1) and every mode's
+    slot occupancy: a figure shown without its table."""
     from benchmarks.bench_peer import by_mode, goal_outcomes, ratios, speedup
 
     engine = _peer_engine(data)
@@ -182,12 +182,11 @@ def _peer_goals_measured(data: Mapping[str, Any]) -> str:
     # Our engine's stamps (bench_peer.stamped_seconds), where the runs carry them: one clock for every trainer, where
     # v1's timers leave out what it generates between them (v0 sync's whole step is its cycle already).
     clocks = [
-        f"`{ours}` vs {base} {speedup(runs[base], runs[ours], 'cycle')} (rollout window "
-        f"{speedup(runs[base], runs[ours], 'window')})"
+        f"`{ours}` vs {base} {speedup(runs[base], runs[ours], 'cycle')}"
         for ours, base in shown
         if base.startswith("v1") and ratios(runs[base], runs[ours], "cycle")
     ]
-    stamped = f"; step cycle on the wall clock: {', '.join(clocks)}" if clocks else ""
+    stamped = f"; wall clock: {', '.join(clocks)}" if clocks else ""
     return f"{goals}; whole step: {steps}{stamped}; slot occupancy {_occupancy(runs)}"
 
 
@@ -420,8 +419,7 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         id="peer-emulated-h200",
         claim="as `peer-emulated-prefix`, emulating 32B on one H200, step time flat to 64 requests (compute knee 147; "
-        "H20: 26), picked before measuring; step cycle: weight load to weight load, rollout window: to the engine's "
-        "sleep, stamped by our engine for every trainer",
+        "H20: 26), picked before measuring; wall clock: weight load to weight load, engine-stamped for every trainer",
         source="peer_emulated_h200.json",
         label="emulated",
         value=_peer_goals_measured,
