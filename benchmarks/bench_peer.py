@@ -672,8 +672,9 @@ def fixed_costs(results: dict[str, Any], engine: str, compact: bool = False) -> 
     """The real-clock costs a faster GPU does not shrink, per measured step, beside the phase they sit in: our step
     end (take-back, aborts, ``abort_grace_s``, reopening: ``partial/step_end_s``, inside ``timing_s/gen``); weight
     sync (``timing_s/update_weights``, outside it, so a share of the whole step); v1's replay-buffer poll (a fixed 2 s
-    interval, not logged: the rollout phase it costs is the paired difference with the mode's 0.05 s-poll twin).
-    ``compact``: shares only, modes by name."""
+    interval, not logged: the rollout phase it costs is the paired difference with the mode's 0.05 s-poll twin);
+    and, where our engine stamped them, the rollout window beyond ``timing_s/gen`` (:func:`stamped_seconds`): the
+    engine awake past the timer, generating (v1) or idle (ours, v0). ``compact``: shares only, modes by name."""
     first = workload_of(results).first_measured
     runs, figures_of = kept_runs(results, engine), by_mode(results, engine)
     rows = []
@@ -699,8 +700,10 @@ def fixed_costs(results: dict[str, Any], engine: str, compact: bool = False) -> 
             shares = [100 * (1 - fast.gen_s / slow.gen_s) for slow, fast in pairs]
             if shares:
                 poll_cell = f"{spread(shares, 1)} %" + ("" if compact else " of the phase")
+        beyond = [1e3 * (run.window_s - run.gen_s) for run in figures_of.get(name, []) if run.window_s is not None]
+        beyond_cell = f"{spread(beyond, 0)} ms" if beyond else "-"
         if not compact:
-            rows.append(f"| {MODES[name].label} | {end_cell} | {sync_cell} | {poll_cell} |")
+            rows.append(f"| {MODES[name].label} | {end_cell} | {sync_cell} | {poll_cell} | {beyond_cell} |")
         elif (end_cell, poll_cell) != ("-", "-"):  # weight sync goes in the caption; a row of dashes is left out
             rows.append(f"| `{name}` | {end_cell} | {poll_cell} |")
     if compact:
@@ -711,7 +714,8 @@ def fixed_costs(results: dict[str, Any], engine: str, compact: bool = False) -> 
     else:
         caption = "Fixed real-clock costs per measured step (mean, min-max over rounds):"
         head = ["| mode | our step end (`partial/step_end_s`) | weight sync (`timing_s/update_weights`) | v1's 2 s "
-                "poll: rollout phase saved by its 0.05 s twin, same round |", "|---|---:|---:|---:|"]  # fmt: skip
+                "poll: rollout phase saved by its 0.05 s twin, same round | rollout window beyond `timing_s/gen` "
+                "(engine stamps) |", "|---|---:|---:|---:|---:|"]  # fmt: skip
     return "\n".join([caption, "", *head, *rows])
 
 

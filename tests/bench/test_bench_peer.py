@@ -284,7 +284,9 @@ def test_the_best_of_our_bounded_modes_is_taken_round_by_round(peer: ModuleType)
 def test_fixed_costs_are_shares_of_the_phase_they_sit_in(peer: ModuleType) -> None:
     wl = peer.Workload(steps=3)
     results = {"workload": dataclasses.asdict(wl), "runs": [
-        _run("default", 5.0, 10.0, 50.0, **{"partial/step_end_s": 0.5, "timing_s/update_weights": 0.2}),
+        _stamped(_run("default", 5.0, 10.0, 50.0, **{"partial/step_end_s": 0.5, "timing_s/update_weights": 0.2}),
+                 [["weights", 1, 0.0], ["sleep", 1, 5.3], ["weights", 2, 10.0], ["sleep", 2, 15.3],
+                  ["weights", 3, 20.0]]),
         _run("v1_sync", 10.0, 20.0, 50.0, **{"timing_s/update_weights": 0.4}),
         _run("v1_sync_fastpoll", 8.0, 18.0, 50.0, **{"timing_s/update_weights": 0.4}),
         _run("v1_async_bound", 10.0, 20.0, 50.0, round_=1),  # its fast-poll twin ran in no round of its own
@@ -292,8 +294,10 @@ def test_fixed_costs_are_shares_of_the_phase_they_sit_in(peer: ModuleType) -> No
     rows = {line.split(" | ")[0].lstrip("| "): line for line in peer.fixed_costs(results, "cpu_vllm").splitlines()}
     assert "0.50 s (10.0 % of the phase)" in rows["ours `+partial=default`"]  # step end, inside the rollout phase
     assert "0.200 s (2.0 % of the step)" in rows["ours `+partial=default`"]  # weight sync, outside it
-    assert rows["v1 sync"].endswith("| 20.0 % of the phase |")  # (10 - 8) / 10, paired in round 0
-    assert rows["v1 colocate_async, threshold 2 + wait"].endswith("| - |")
+    assert rows["v1 sync"].endswith("| 20.0 % of the phase | - |")  # (10 - 8) / 10, paired in round 0
+    assert rows["v1 colocate_async, threshold 2 + wait"].endswith("| - | - |")
+    # The engine awake past verl's gen timer, from its stamps: 5.3 s windows around 5.0 s phases.
+    assert rows["ours `+partial=default`"].endswith("| 300 ms |")
 
 
 def test_runs_merged_from_several_checkouts_name_each_in_the_header() -> None:
