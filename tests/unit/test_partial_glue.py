@@ -33,7 +33,7 @@ from verl_partial.glue.dataproto import (
     row_fields,
     set_hand_over_meta,
 )
-from verl_partial.glue.partial.rollout import _chunk_bounds
+from verl_partial.glue.partial.rollout import worker_runs
 
 
 class _RemoteMethod:
@@ -103,16 +103,12 @@ def test_an_engine_we_have_not_read_is_refused_naming_the_key():
         engine_adapter("trtllm")
 
 
-@pytest.mark.parametrize("workers", [1, 3, 8, 20])
-def test_hand_over_chunks_cover_every_row_and_never_cut_a_group(workers):
-    keys = np.array([key for key, n in (("a", 4), ("b", 4), ("c", 4), ("d", 4), ("e", 4)) for _ in range(n)])
-    bounds = _chunk_bounds(keys, workers)
-    assert len(bounds) == min(workers, 5)
-    assert bounds[0][0] == 0 and bounds[-1][1] == len(keys)
-    assert all(stop == start for (_, stop), (start, _) in zip(bounds, bounds[1:], strict=False))
-    for start, stop in bounds:
-        assert start < stop
-        assert start == 0 or keys[start] != keys[start - 1], "a chunk starts inside a group"
+def test_hand_over_calls_follow_runs_of_rows_on_one_worker_and_cover_every_row():
+    """One call per run of consecutive rows a worker holds: one per worker when the loader orders groups by worker,
+    more (never a wrong row) when a trainer reorders them."""
+    assert worker_runs([0, 0, 0, 1, 1, 2]) == [(0, 0, 3), (1, 3, 5), (2, 5, 6)]
+    assert worker_runs([1, 1, 0, 0, 1]) == [(1, 0, 2), (0, 2, 4), (1, 4, 5)]
+    assert worker_runs([]) == []
 
 
 def test_hand_over_rows_are_the_prompts_without_our_key_cut_into_the_workers_chunks():
@@ -127,7 +123,7 @@ def test_hand_over_rows_are_the_prompts_without_our_key_cut_into_the_workers_chu
     assert set(rows.non_tensor_batch) == {"uid"} and rows.meta_info == {}
     assert PARTIAL_KEY in prompts.non_tensor_batch, "the trainer's batch keeps its own columns"
     assert rows.batch["input_ids"].data_ptr() == prompts.batch["input_ids"].data_ptr()
-    chunks = row_chunks(rows, _chunk_bounds(keys, 2))
+    chunks = row_chunks(rows, [(start, stop) for _, start, stop in worker_runs([0, 0, 0, 0, 1, 1])])
     assert [len(chunk) for chunk in chunks] == [4, 2]
     fields, per_row = row_fields(chunks[1], 2)
     assert fields is chunks[1].non_tensor_batch and per_row == [{"uid": "u4"}, {"uid": "u5"}]

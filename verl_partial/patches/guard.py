@@ -49,12 +49,15 @@ GLUE_PRIVATE_METHODS: dict[str, tuple[str, ...]] = {
 
 
 # Attributes set by the verl functions named: ToolAgentLoop.run's on its AgentData, which its tool-turn methods read
-# (the glue sets them alike), and the reward loop workers the manager and each worker hold (the glue scores finished
-# groups through them while a step generates).
+# (the glue sets them alike), the reward loop workers the manager and each worker hold (the glue scores finished
+# groups through them while a step generates) and whether a worker distils (rows are then built at the hand-over).
 GLUE_PRIVATE_ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "verl.experimental.agent_loop.tool_agent_loop:ToolAgentLoop.run": ("_active_tools", "_active_tool_schemas"),
     "verl.experimental.agent_loop.agent_loop:AgentLoopManager.__init__": ("reward_loop_worker_handles",),
-    "verl.experimental.agent_loop.agent_loop:AgentLoopWorker.__init__": ("reward_loop_worker_handles",),
+    "verl.experimental.agent_loop.agent_loop:AgentLoopWorker.__init__": (
+        "reward_loop_worker_handles",
+        "distillation_enabled",
+    ),
 }
 
 

@@ -10,19 +10,21 @@ ids and reward call: ``_agent_loop_postprocess`` and ``_postprocess``). The driv
   :meth:`take_back_segments` can abort that very request at its server (it returns its tokens), and
   :meth:`cancel_segments` can drop it as a last resort. A group's prompt is tokenised once (verl's
   ``ct_build_initial_tokens``) and cached here until the driver has the ids.
-* :meth:`PartialAgentLoopWorker.hand_over` builds verl's padded rows and rewards for finished samples only, once,
-  when their groups go to training.
-* :meth:`PartialAgentLoopWorker.score` (``algorithm.filter_groups``) computes finished samples' rewards through verl's
-  reward loop (``_compute_score``) while the step generates; the hand-over then reuses them instead of scoring again.
+* :meth:`PartialAgentLoopWorker.score` computes finished samples' rewards through verl's reward loop
+  (``_compute_score``) while the step generates, and then builds their padded rows in the background, as verl's own
+  loop builds each answer's row as it ends.
+* :meth:`PartialAgentLoopWorker.hand_over` gives verl's rows for the samples that go to training: the rows built
+  ahead where the sample is the one scored, built now (``_agent_loop_postprocess``) otherwise, then ``_postprocess``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -106,6 +108,43 @@ class FinishedSample:
     payload: dict[str, Any] | None = None  # multi-turn: the finished trajectory (mask, turns, tool output)
     score: SampleScore | None = None  # its reward, computed while its step generated: not scored again
 
+    def same_as(self, other: FinishedSample) -> bool:
+        """Whether ``other`` is this very answer with the same reward (a row built for one serves the other).
+        Multi-turn trajectories are never compared: their rows are built at the hand-over."""
+        return (
+            self.payload is None
+            and other.payload is None
+            and _equal(self.score, other.score)
+            and all(
+                np.array_equal(mine, theirs)
+                for mine, theirs in (
+                    (self.prompt_ids, other.prompt_ids),
+                    (self.token_ids, other.token_ids),
+                    (self.log_probs, other.log_probs),
+                )
+            )
+        )
+
+
+def _equal(mine: Any, theirs: Any) -> bool:
+    """``==`` that says False where the comparison itself fails (a reward's extra info holding arrays)."""
+    try:
+        return bool(mine == theirs)
+    except (TypeError, ValueError):
+        return False
+
+
+# Which sample a row is for: its group's key and its index in the group.
+SampleKey = tuple[str, int]
+
+
+@dataclass
+class RowAhead:
+    """A finished sample's row, being built (or built) while the step generates, for the sample it was built from."""
+
+    sample: FinishedSample
+    row: asyncio.Future[Any]  # verl's _InternalAgentLoopOutput
+
 
 def _empty_answer(call: SegmentCall, server_version: int | None = None, error: str | None = None) -> SegmentAnswer:
     return SegmentAnswer(
@@ -182,6 +221,7 @@ class PartialAgentLoopWorker(AgentLoopWorker):
         self.tool_loop: PartialToolAgentLoop | None = None
         # Calls running tool calls: never cancelled (a tool that already ran would run again on resume).
         self.running_tools: set[str] = set()
+        self.rows_ahead: dict[SampleKey, RowAhead] = {}
 
     def set_servers(self, servers: dict[str, Any]) -> None:
         """Server address -> server actor handle, from verl's replicas (the router's choices are addresses)."""
@@ -372,21 +412,68 @@ class PartialAgentLoopWorker(AgentLoopWorker):
         return np.asarray(await self.builder.ct_build_initial_tokens(messages), dtype=TOKEN_DTYPE)
 
     # ---------------------------------------------------------------- hand-over
-    async def hand_over(self, rows: DataProto, samples: list[FinishedSample]) -> DataProto:
+    async def hand_over(
+        self,
+        rows: DataProto,
+        samples: list[FinishedSample],
+        keys: list[SampleKey],
+        keep: Collection[str] = (),
+    ) -> DataProto:
         """verl's rows for finished samples: ``_agent_loop_postprocess`` per sample (padding, position ids, reward)
-        and ``_postprocess`` for the chunk, exactly as ``generate_sequences`` does for its own outputs."""
+        and ``_postprocess`` for the chunk, exactly as ``generate_sequences`` does for its own outputs.
+
+        A row built ahead (:meth:`score`) for the same answer is reused; any other is built now. Rows built ahead
+        for groups neither handed over now nor in ``keep`` (the groups still in the driver's pool) are dropped:
+        their groups were filtered out or restarted."""
         fields, per_row = row_fields(rows, len(samples))
         outputs = await asyncio.gather(
-            *[
-                self._agent_loop_postprocess(self._finished_output(sample), False, **kwargs)
-                for sample, kwargs in zip(samples, per_row, strict=True)
-            ]
+            *[self._row(sample, kwargs, key) for sample, kwargs, key in zip(samples, per_row, keys, strict=True)]
         )
+        self._drop_rows_ahead(set(keep))
         return self._postprocess(list(outputs), input_non_tensor_batch=fields, validate=False)
 
-    async def score(self, rows: list[dict[str, Any]], samples: list[FinishedSample]) -> list[SampleScore]:
+    async def _row(self, sample: FinishedSample, kwargs: dict[str, Any], key: SampleKey) -> Any:
+        ahead = self.rows_ahead.pop(key, None)
+        if ahead is not None and ahead.sample.same_as(sample):
+            row = await ahead.row
+            # The one keyword argument a scored row reads besides the reward's (verl 0.9.1 _agent_loop_postprocess).
+            row.extra_fields["raw_prompt"] = kwargs["raw_prompt"]
+            return row
+        if ahead is not None:
+            ahead.row.cancel()
+        return await self._agent_loop_postprocess(self._finished_output(sample), False, **kwargs)
+
+    def _drop_rows_ahead(self, keep: set[str]) -> None:
+        for key in [key for key in self.rows_ahead if key[0] not in keep]:
+            self.rows_ahead.pop(key).row.cancel()
+
+    def _build_rows_ahead(
+        self, rows: list[dict[str, Any]], samples: list[FinishedSample], keys: list[SampleKey]
+    ) -> None:
+        """Start building the rows of scored samples in the background, as verl's own loop builds each answer's row
+        as it ends; the hand-over, while every engine idles, then only gathers them.
+
+        Exact because a scored row reads nothing else of its keyword arguments but ``raw_prompt``, which the
+        hand-over sets from the trainer's row: ``_compute_score`` leaves a scored output alone, and the other reader,
+        the distillation teacher's routing key, is left to the hand-over (no row is built ahead with a teacher).
+        Multi-turn trajectories are built at the hand-over too."""
+        if self.distillation_enabled:
+            return
+        for row, sample, key in zip(rows, samples, keys, strict=True):
+            if sample.payload is not None:
+                continue
+            previous = self.rows_ahead.pop(key, None)
+            if previous is not None:
+                previous.row.cancel()
+            built = asyncio.ensure_future(self._agent_loop_postprocess(self._finished_output(sample), False, **row))
+            self.rows_ahead[key] = RowAhead(sample, built)
+
+    async def score(
+        self, rows: list[dict[str, Any]], samples: list[FinishedSample], keys: list[SampleKey] | None = None
+    ) -> list[SampleScore]:
         """Finished samples' rewards, computed as ``_agent_loop_postprocess`` does (verl's ``_compute_score`` through
-        the reward loop workers, with the row's fields as its keyword arguments), without building their rows."""
+        the reward loop workers, with the row's fields as its keyword arguments). With ``keys``, their rows are then
+        built in the background (:meth:`_build_rows_ahead`) for the hand-over."""
         if self.reward_loop_worker_handles is None:
             raise RuntimeError(
                 "algorithm.filter_groups needs verl's reward loop during generation (rule-based reward or "
@@ -401,7 +488,11 @@ class PartialAgentLoopWorker(AgentLoopWorker):
                 raise RuntimeError("verl's reward loop returned no reward_score")
             return SampleScore(float(output.reward_score), dict(output.extra_fields.get("reward_extra_info", {})))
 
-        return list(await asyncio.gather(*[one(row, sample) for row, sample in zip(rows, samples, strict=True)]))
+        scores = list(await asyncio.gather(*[one(row, sample) for row, sample in zip(rows, samples, strict=True)]))
+        if keys is not None:
+            scored = [dataclasses.replace(sample, score=score) for sample, score in zip(samples, scores, strict=True)]
+            self._build_rows_ahead(rows, scored, keys)
+        return scores
 
     def _finished_output(self, sample: FinishedSample) -> AgentLoopOutput:
         output = self._unscored_output(sample)

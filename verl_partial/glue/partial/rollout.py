@@ -24,7 +24,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -100,7 +100,8 @@ def reward_fields(row: Row) -> dict[str, Any]:
 
 class WorkerGroupScorer:
     """The scheduler's :class:`verl_partial.core.partial.scheduler.GroupScorer` over verl's AgentLoopWorkers: one
-    Ray call per worker per batch of finished groups (a group goes to the worker that ran its segments)."""
+    Ray call per worker per batch of finished groups (a group goes to the worker that ran its segments, which then
+    builds their rows for the hand-over)."""
 
     def __init__(self, workers: list[Any]) -> None:
         self.workers = workers
@@ -117,6 +118,7 @@ class WorkerGroupScorer:
                     for group in batch
                     for sample in group.samples
                 ],
+                [(group.key, index) for group in batch for index in range(len(group.samples))],
             )
             for index, batch in by_worker.items()
         ]
@@ -193,6 +195,7 @@ class PartialAgentLoopManager(AgentLoopManager):
         self.agent_loop_workers_class = ray.remote(max_concurrency=WORKER_MAX_CONCURRENCY)(PartialAgentLoopWorker)
         super().__init__(*args, **kwargs)
         self._prepared: dict[str, GroupState[Row]] | None = None
+        self._in_flight: list[GroupState[Row]] = []
         self._prepared_meta: dict[str, Any] = {}
         self._backend: WorkerSegmentBackend | None = None
         self._on_hand_over: Callable[[list[tuple[GroupState[Row], int]], DataProto], None] | None = None
@@ -219,11 +222,14 @@ class PartialAgentLoopManager(AgentLoopManager):
         extra_metrics: dict[str, float],
         seconds: float,
         on_hand_over: Callable[[list[tuple[GroupState[Row], int]], DataProto], None] | None = None,
+        in_flight: Collection[GroupState[Row]] = (),
     ) -> None:
         """Hold this step's finished groups until ``fit()`` asks for them; ``on_hand_over(order, output)`` sees
         the rows built for them (``order[i]`` = group and sample index of row ``i``). ``seconds``: the step's time in
-        the loader, which ``fit()`` does not time, added to its ``timing_s/gen`` and ``timing_s/step``."""
+        the loader, which ``fit()`` does not time, added to its ``timing_s/gen`` and ``timing_s/step``.
+        ``in_flight``: the groups left in the pool, whose rows built ahead the workers keep."""
         self._on_hand_over = on_hand_over
+        self._in_flight = list(in_flight)
         self._prepared = {group.key: group for group in result.trained}
         self._prepared_meta = {
             "metrics": {**result.metrics, **extra_metrics},
@@ -245,7 +251,9 @@ class PartialAgentLoopManager(AgentLoopManager):
         return self._hand_over(prompts, keys)
 
     def _hand_over(self, prompts: DataProto, keys: np.ndarray) -> DataProto:
-        """verl's rows for the prepared groups, built by the workers in worker-sized chunks of whole groups."""
+        """verl's rows for the prepared groups, each group's by the worker that scored it and built its rows while
+        the step generated (one call per run of consecutive rows on one worker: one per worker, as the loader
+        orders the groups)."""
         if self._prepared is None:
             raise RuntimeError("partial rollout has no prepared groups for this training step")
         started = time.perf_counter()
@@ -257,10 +265,14 @@ class PartialAgentLoopManager(AgentLoopManager):
         samples = [group.samples[index] for group, index in order]
         if any(count != len(prepared[key].samples) for key, count in next_sample.items()):
             raise RuntimeError("the trainer's batch does not hold every sample of the prepared groups")
-        bounds = _chunk_bounds(keys, len(self.agent_loop_workers))
-        rows = row_chunks(hand_over_rows(prompts), bounds)
+        workers = len(self.agent_loop_workers)
+        runs = worker_runs([worker_of(group.group_id, workers) for group, _ in order])
+        rows = row_chunks(hand_over_rows(prompts), [(start, stop) for _, start, stop in runs])
+        keep: list[list[str]] = [[] for _ in range(workers)]
+        for group in self._in_flight:
+            keep[worker_of(group.group_id, workers)].append(group.key)
         chunks = [
-            worker.hand_over.remote(
+            self.agent_loop_workers[worker].hand_over.remote(
                 chunk,
                 [
                     FinishedSample(
@@ -272,8 +284,10 @@ class PartialAgentLoopManager(AgentLoopManager):
                     )
                     for i, sample in zip(range(start, stop), samples[start:stop], strict=True)
                 ],
+                [(group.key, index) for group, index in order[start:stop]],
+                keep[worker],
             )
-            for worker, chunk, (start, stop) in zip(self.agent_loop_workers, rows, bounds, strict=False)
+            for chunk, (worker, start, stop) in zip(rows, runs, strict=True)
         ]
         output, row_metrics = concat_chunks(ray.get(chunks))
         attach_versions(output, samples, self.rollout_config.response_length)
@@ -296,12 +310,15 @@ def _response_len(sample: SampleState) -> int:
     return len(sample.token_ids) if sample.payload is None else len(sample.payload["response_ids"])
 
 
-def _chunk_bounds(keys: np.ndarray, chunks: int) -> list[tuple[int, int]]:
-    """Row ranges of about equal size that never cut a group (rows of one group are consecutive)."""
-    starts = [0] + [i for i in range(1, len(keys)) if keys[i] != keys[i - 1]]
-    groups = np.array_split(np.arange(len(starts)), min(chunks, len(starts)))
-    ends = starts[1:] + [len(keys)]
-    return [(starts[part[0]], ends[part[-1]]) for part in groups if len(part)]
+def worker_runs(row_workers: list[int]) -> list[tuple[int, int, int]]:
+    """``(worker, start, stop)`` for each run of consecutive rows held by one worker."""
+    runs: list[tuple[int, int, int]] = []
+    for row, worker in enumerate(row_workers):
+        if runs and runs[-1][0] == worker:
+            runs[-1] = (worker, runs[-1][1], row + 1)
+        else:
+            runs.append((worker, row, row + 1))
+    return runs
 
 
 def server_handles(server_manager: Any) -> dict[str, Any]:
@@ -443,8 +460,18 @@ class PartialRolloutLoader:
             parked = [s.payload for g in self.pool.groups.values() for s in g.samples if s.payload is not None]
             extra.update(parked_turn_metrics(parked))
         self._write_ledger(step)
-        rows = stack_rows([{**group.prompt, PARTIAL_KEY: group.key} for group in result.trained])
-        manager.prepare(result, step - 1, extra, time.perf_counter() - started, on_hand_over=dump)
+        # Ordered by the worker that holds each group's rows, so the hand-over is one call per worker.
+        workers = len(manager.agent_loop_workers)
+        trained = sorted(result.trained, key=lambda group: worker_of(group.group_id, workers))
+        rows = stack_rows([{**group.prompt, PARTIAL_KEY: group.key} for group in trained])
+        manager.prepare(
+            result,
+            step - 1,
+            extra,
+            time.perf_counter() - started,
+            on_hand_over=dump,
+            in_flight=list(self.pool.groups.values()),
+        )
         return rows
 
     def _write_ledger(self, step: int) -> None:
