@@ -30,7 +30,7 @@ from verl_partial.config.backend import (
 from verl_partial.config.job import backend_config
 from verl_partial.cpu_backend.engine import CpuBatchedEngine, SamplingParams
 from verl_partial.cpu_backend.occupancy import full_step_seconds, phase_slots
-from verl_partial.cpu_backend.rollout import CpuRolloutServer
+from verl_partial.cpu_backend.rollout import CpuRolloutServer, FixedCpuSglangServer
 from verl_partial.sim.engine import ServerSpec
 from verl_partial.sim.hardware import GPUS, H100_SXM, MODELS, QWEN25_7B, Efficiency, ModelSpec
 
@@ -277,15 +277,17 @@ def test_a_server_started_with_the_drivers_env_runs_the_modelled_engine(demo_ass
     assert written == {key: stats[key] for key in written} and written["steps"] == 4
 
 
-def test_weight_loads_and_sleeps_are_stamped_in_the_file_a_benchmark_reads(demo_assets, monkeypatch, tmp_path):
+@pytest.mark.parametrize(("name", "server_class"), [("cpu", CpuRolloutServer), ("sglang", FixedCpuSglangServer)])
+def test_weight_loads_and_sleeps_are_stamped_in_the_file_a_benchmark_reads(
+    demo_assets, monkeypatch, tmp_path, name, server_class
+):
     """What lets the peer benchmark time every trainer's step cycle and rollout window from the engine's side: each
     weight load (with the trainer's step) and each sleep, on the wall clock, written at once (a Ray run ends by
-    killing the server, so nothing may wait for the loop's end)."""
+    killing the server, so nothing may wait for the loop's end). The SGLang double's sleep releases its memory after
+    the stamp."""
     monkeypatch.setenv(ENGINE_STATS_DIR_ENV, str(tmp_path))
-    config = RolloutConfig(name="cpu", prompt_length=32, response_length=8, max_num_seqs=4)
-    server = CpuRolloutServer(
-        config=config, model_config=HFModelConfig(path=str(demo_assets.model_dir)), replica_rank=0
-    )
+    config = RolloutConfig(name=name, prompt_length=32, response_length=8, max_num_seqs=4)
+    server = server_class(config=config, model_config=HFModelConfig(path=str(demo_assets.model_dir)), replica_rank=0)
     weights: dict[str, torch.Tensor] = {}  # the stamp, not the copy, is under test
 
     def marks() -> list[list]:
