@@ -273,6 +273,21 @@ def _paired(*pairs: tuple[str, str], occupancy: bool = True) -> Callable[[Mappin
     return value
 
 
+def _rows_ahead(data: Mapping[str, Any]) -> str:
+    """``default`` against v0 sync, rollout phase, and the hand-over's seconds a step (each round's measured steps)."""
+    from benchmarks.bench_peer import by_mode, kept_runs, measured_steps, speedup, spread, workload_of
+
+    engine, first = _peer_engine(data), workload_of(dict(data)).first_measured
+    runs = by_mode(dict(data), engine)
+    hand_over = [
+        1e3 * statistics.fmean(step["partial/hand_over_s"] for step in measured_steps(run, first))
+        for run in kept_runs(dict(data), engine)
+        if run["mode"] == "default"
+    ]
+    rollout = speedup(runs["v0_sync"], runs["default"], "rollout")
+    return f"`default` vs v0_sync: rollout phase {rollout}; `partial/hand_over_s` {spread(hand_over, 0)} ms a step"
+
+
 def _peer_tail(data: Mapping[str, Any]) -> str:
     """The length-aware presets against v0 sync, per trained token, and what their windows do to trained lengths."""
     from benchmarks.bench_peer import PRESETS_WINDOW, by_mode, speedup, spread, window_length_ratios
@@ -354,8 +369,8 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         id="gpu-h100-rollout",
         claim="our PyTorch engine (not vLLM), one H100, random 1.1B Llama in bf16, 256 slots, 128 or 256 requests a "
-        "step, imposed answers (median 64, p99/p50 8, cap 512), modes interleaved by step, 2 runs of 8 steps (one "
-        "at 256 cut to 4), min-max: rollout phase per trained token against sync, slot occupancy; `tail`'s "
+        "step, imposed answers (median 64, p99/p50 8, cap 512), 2 runs of 8 steps (one "
+        "at 256 cut to 4): rollout phase per trained token against sync, slot occupancy; `tail`'s "
         "history: one earlier epoch",
         source="gpu_engine_curve_h100.jsonl",
         label="measured",
@@ -376,15 +391,15 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="lc-default",
-        claim="`+partial=default` against sync through verl's trainer on the demo task (our engine), 64 steps x 3 "
-        "seeds: learning, and speed as the run measured it",
+        claim="`+partial=default` against sync, verl's trainer on the demo task (our engine), 64 steps x 3 seeds: "
+        "learning and speed",
         source="learning_curves_default.json",
         label="measured",
         value=_default_curves,
     ),
     Figure(
         id="lc-default-corrected",
-        claim="the same with `+rollout_correction=seq_is_rs` on both, the guide's advice for partial rollout",
+        claim="the same with `+rollout_correction=seq_is_rs` on both (the guide's advice)",
         source="learning_curves_default_seq_is_rs.json",
         label="measured",
         value=_default_curves,
@@ -406,11 +421,10 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="peer-emulated-prefix",
-        claim="through verl's trainers on our CPU engine emulating 32B on one H20, prefill charged behind vLLM's "
+        claim="verl's trainers on our CPU engine emulating 32B on one H20, prefill charged behind vLLM's "
         "prefix cache; `default_knee`: "
-        "`partial.max_calls_per_server=28`, near the H20's compute knee; issue 25's goals per trained token, paired "
-        "by round; a ceiling: the most any colocated schedule at staleness <= 1 could reach on `default`'s batches "
-        "(verl_partial/sim/bound.py)",
+        "`partial.max_calls_per_server=28`, near the H20's compute knee; goals per trained token, paired "
+        "by round; ceiling: the best any colocated schedule at staleness <= 1 reaches on `default`'s batches",
         source="peer_emulated_prefix.json",
         label="emulated",
         value=_peer_goals_measured,
@@ -418,12 +432,19 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="peer-emulated-h200",
-        claim="as `peer-emulated-prefix`, emulating 32B on one H200, step time flat to 64 requests (compute knee 147; "
-        "H20: 26), picked before measuring; wall clock: weight load to weight load, engine-stamped for every trainer",
+        claim="as `peer-emulated-prefix` on an emulated H200 (32B; step time flat to 64 requests, knee 147), picked "
+        "before measuring; wall clock: engine-stamped weight load to weight load",
         source="peer_emulated_h200.json",
         label="emulated",
         value=_peer_goals_measured,
         image="img/peer_emulated_h200.png",
+    ),
+    Figure(
+        id="peer-emulated-h200-rows-ahead",
+        claim="`peer-emulated-h200` rerun, rows built during the step; v1 overran",
+        source="peer_emulated_h200_rows_ahead.json",
+        label="emulated",
+        value=_rows_ahead,
     ),
     Figure(
         id="peer-emulated",
@@ -443,7 +464,7 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="peer-emulated-knee-sync",
-        claim="verl's synchronous rollout given the same engine setting (`v0_sync_knee`), no prefix cache modelled",
+        claim="v0 sync given the same engine setting (`v0_sync_knee`), no prefix cache modelled",
         source="peer_emulated_knee_sync.json",
         label="emulated",
         value=_paired(("default_knee", "v0_sync_knee"), ("v0_sync_knee", "v0_sync")),
@@ -451,7 +472,7 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         id="peer-vllm-cpu",
         claim="every mode through verl's trainers and verl's own vLLM rollout on vLLM's CPU build, a tiny random "
-        "model on 2 cores; issue 25's vllm-cpu goals per trained token",
+        "model on 2 cores; the vllm-cpu goals per trained token",
         source="peer_vllm_cpu.json",
         label="measured",
         value=_peer_goals,
@@ -461,7 +482,7 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         id="peer-tail-emulated",
         claim="length-aware windows without an oracle (lengths drawn per epoch): "
-        "`tail` and `tail_on_policy` against v0 sync and `default` through verl's trainer, on our CPU engine "
+        "`tail` and `tail_on_policy` against v0 sync and `default`, verl's trainer on our CPU engine "
         "emulating 32B on one H20",
         source="peer_tail_emulated.json",
         label="emulated",
@@ -477,8 +498,8 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="peer-emulated-kv",
-        claim="where the KV cache binds: our engine through verl's trainers, emulating 32B on one H20 (64 slots, "
-        "33,569 KV tokens); 16 x 4 samples, answers median 1,024, cap 4,096; `default` reads the size (given it in "
+        claim="KV cache bound: verl's trainers on our engine emulating 32B on one H20 (64 slots, "
+        "33,569 KV tokens); 16 x 4 samples, answers median 1,024, cap 4,096; `default` reads the size (given in "
         "rounds 0-1); `default_kv_off`: no cap",
         source="peer_emulated_production_kv.json",
         label="emulated",
@@ -487,18 +508,17 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         id="sim-fill-engine",
         claim="`+partial=default` against itself with `fill_engine=false` and `kv_tokens_per_server=off`, and "
-        "against sync: the real scheduler over simulated vLLM servers, rollout phase per trained token, seeds 0-2; "
-        "7B on H100s (256 slots; median 1,000, p99/p50 8) never filling (32 x 8, 2 servers) and queueing (64 x 8, "
-        "1 server); 32B on H20s (256 slots, 33,569 KV tokens; median 2,048, cap 16,384; 64 x 16, 8 servers), "
-        "preempting",
+        "against sync: the real scheduler over simulated vLLM servers, per trained token, seeds 0-2; "
+        "7B on H100s (median 1,000, p99/p50 8) never filling (32 x 8, 2 servers) and queueing (64 x 8, "
+        "1 server); 32B on H20s (33,569 KV tokens; median 2,048, cap 16,384; 64 x 16, 8 servers), preempting",
         source="sim_fill_engine.json",
         label="simulated",
         value=_sim_fill,
     ),
     Figure(
         id="sim-knee",
-        claim="`+partial=default` with calls per server capped at the compute knee and at half of it, against "
-        "uncapped and sync: the real scheduler, one simulated 256-slot vLLM server per GPU; 7B, 64 x 8 samples "
+        claim="`+partial=default` with calls per server capped at the compute knee and half of it, against "
+        "uncapped and sync: the real scheduler, a simulated 256-slot vLLM server per GPU; 7B, 64 x 8 samples "
         "queueing (median 1,000, p99/p50 8), seeds 0-2",
         source="sim_knee.json",
         label="simulated",
@@ -507,8 +527,7 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         id="sim-vs-emulated-prefix",
         claim="the simulator (parameters frozen, seeds 0-4) beside the emulated engine on `peer-emulated-prefix`'s "
-        "runs (v1 unsimulated), rollout phase per trained token: a check of the scheduler model, not of the GPU curve "
-        "both share",
+        "runs (v1 unsimulated), rollout phase per trained token: a check of the scheduler model, not the GPU curve",
         source="sim_check_prefix.json",
         label="simulated",
         value=_sim_check,
@@ -538,15 +557,15 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         id="scheduler-driver-cpu",
         claim="the real scheduler (`run_step`, `RolloutPool`, `+partial=default`, `max_calls_per_server` 512) over a "
-        "virtual-clock stand-in engine and scorer (no model, no Ray; lengths lognormal, median 6k, cap 16k): each "
-        "step's process CPU time, measured, the stand-ins' timers included",
+        "virtual-clock stand-in engine and scorer (no model, no Ray; lengths lognormal, median 6k, cap 16k): "
+        "CPU time a step",
         source="scheduler_cost.json",
         label="simulated",
         value=_scheduler_cpu,
     ),
     Figure(
         id="scheduler-ray-calls",
-        claim="the same steps: the driver's Ray calls as the glue makes them (benchmarks/bench_scheduler_cost.py), "
+        claim="the same steps: the driver's Ray calls as the glue makes them, "
         "against verl 0.9.1's `AgentLoopManager.generate_sequences`",
         source="scheduler_cost.json",
         label="simulated",
