@@ -68,11 +68,19 @@ def row(prompt: str) -> dict[str, object]:
     return {"raw_prompt": [{"role": "user", "content": prompt}], "data_source": "demo"}
 
 
+def objects(values: list[object]) -> np.ndarray:
+    """A 1-D object column, one value a row (``np.array`` would make a 2-D array of a list of lists)."""
+    column = np.empty(len(values), dtype=object)
+    for index, value in enumerate(values):
+        column[index] = value
+    return column
+
+
 def trainer_rows(prompts: list[str]) -> DataProto:
     """The trainer's prompt rows as the hand-over gets them (a uid the workers never saw included)."""
     return DataProto.from_dict(
         non_tensors={
-            "raw_prompt": np.array([row(p)["raw_prompt"] for p in prompts] + [None], dtype=object)[:-1],
+            "raw_prompt": objects([row(p)["raw_prompt"] for p in prompts]),
             "data_source": np.array(["demo"] * len(prompts), dtype=object),
             "uid": np.array([f"u{i}" for i in range(len(prompts))], dtype=object),
         }
@@ -88,18 +96,24 @@ def assert_same_rows(ours: DataProto, theirs: DataProto) -> None:
         assert values.tolist() == theirs.non_tensor_batch[key].tolist(), key
 
 
-def test_a_row_built_ahead_is_the_row_the_hand_over_builds_and_the_hand_over_builds_none(tokenizer):
-    samples = [sample([7, 8, 9], 1.0), sample([10, 2], 0.0)]
-    keys = [("g", 0), ("g", 1)]
+def ahead_then_fresh(tokenizer, scored, handed) -> tuple[DataProto, DataProto, CountingWorker]:
+    """Rows of one group built ahead from ``scored`` and handed over as ``handed``, beside the same hand-over on a
+    worker that built nothing ahead."""
+    keys = [("g", index) for index in range(len(scored))]
+    trainer = trainer_rows(["p"] * len(scored))
 
     async def run() -> tuple[DataProto, DataProto, CountingWorker]:
         ahead = worker_with(tokenizer)
-        ahead._build_rows_ahead([row("p"), row("p")], samples, keys)
-        with_rows_ahead = await ahead.hand_over(trainer_rows(["p", "p"]), samples, keys)
-        at_hand_over = await worker_with(tokenizer).hand_over(trainer_rows(["p", "p"]), samples, keys)
-        return with_rows_ahead, at_hand_over, ahead
+        ahead._build_rows_ahead([row("p")] * len(scored), scored, keys)
+        reused = await ahead.hand_over(trainer, handed, keys)
+        return reused, await worker_with(tokenizer).hand_over(trainer, handed, keys), ahead
 
-    with_rows_ahead, at_hand_over, ahead = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_a_row_built_ahead_is_the_row_the_hand_over_builds_and_the_hand_over_builds_none(tokenizer):
+    samples = [sample([7, 8, 9], 1.0), sample([10, 2], 0.0)]
+    with_rows_ahead, at_hand_over, ahead = ahead_then_fresh(tokenizer, samples, samples)
     assert ahead.rows_built == 2 and ahead.rows_ahead == {}  # each row built once, ahead
     assert_same_rows(with_rows_ahead, at_hand_over)
     assert with_rows_ahead.batch["rm_scores"].sum().item() == 1.0
@@ -111,16 +125,7 @@ def test_only_the_same_answer_with_the_same_reward_reuses_a_row_built_ahead(toke
     not ride on an old row either. Both are built again at the hand-over, from what is handed over."""
     scored = [sample([7, 8, 9], 1.0), sample([10, 2], 0.0)]
     handed = [sample([7, 8, 11], 1.0), sample([10, 2], 0.5)]
-    keys = [("g", 0), ("g", 1)]
-
-    async def run() -> tuple[DataProto, DataProto, CountingWorker]:
-        ahead = worker_with(tokenizer)
-        ahead._build_rows_ahead([row("p"), row("p")], scored, keys)
-        reused = await ahead.hand_over(trainer_rows(["p", "p"]), handed, keys)
-        fresh = await worker_with(tokenizer).hand_over(trainer_rows(["p", "p"]), handed, keys)
-        return reused, fresh, ahead
-
-    reused, fresh, ahead = asyncio.run(run())
+    reused, fresh, ahead = ahead_then_fresh(tokenizer, scored, handed)
     assert ahead.rows_built == 4  # ahead, then again from what was handed over
     assert_same_rows(reused, fresh)
     assert reused.batch["responses"][0, :3].tolist() == [7, 8, 11]
