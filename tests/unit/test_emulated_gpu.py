@@ -91,7 +91,7 @@ def test_a_step_lasts_the_modelled_time(tiny_model):
     # The step shapes the model saw: the prefill (2 prompts, 7 tokens, 3x3/2 + 4x4/2 pairs), then 2 decodes a step.
     assert shapes[0] == (0, 0.0, 7, 12.5)
     assert shapes[1] == (2, 3 + 4 + 2, 0, 0.0)
-    assert stats.overruns == 0
+    assert stats.overruns == 0 and stats.overrun_s == 0
     assert stats.modelled_s == pytest.approx(sum(modelled))
     assert stats.compute_s < stats.modelled_s
     # Each step sleeps the rest of its modelled time: the run lasts at least the modelled total, and no step much
@@ -105,6 +105,7 @@ def test_a_step_longer_than_modelled_is_counted_as_an_overrun(tiny_model):
     stats, _, modelled, _ = _generate(tiny_model, TINY, [[1, 2, 3]], max_tokens=4)
     assert stats.steps == stats.overruns == len(modelled) == 4
     assert stats.compute_s > stats.modelled_s
+    assert stats.overrun_s == pytest.approx(stats.compute_s - stats.modelled_s)  # every step: all its excess
     assert stats.step_s >= stats.compute_s  # an overrun step lasts its compute, it is not shortened
 
 

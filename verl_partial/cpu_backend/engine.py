@@ -132,7 +132,9 @@ class EngineStats:
     Time (seconds on the engine loop's clock): ``step_s`` inside steps, ``idle_s`` waiting with nothing to run
     (or paused). ``decode_context_tokens`` sums the context every decode row attended to. With a step-time model
     (``backend.emulate_gpu``): ``modelled_s`` is the modelled time of the steps, ``compute_s`` the real compute
-    inside them, ``overruns`` the steps whose compute took longer than modelled (they last their compute time).
+    inside them, ``overruns`` the steps whose compute took longer than modelled (they last their compute time) and
+    ``overrun_s`` by how much in all: what a benchmark weighs when it decides whether an emulated run still stands
+    for its GPU.
     With a KV-cache capacity: ``preemptions`` counts running requests sent back to the queue to make room; their
     re-prefill is in ``prefill_tokens``. With a prefix cache (``prefix_caching``): ``cached_tokens`` counts the
     joiners' tokens found cached, which ``prefill_tokens`` leaves out.
@@ -150,6 +152,7 @@ class EngineStats:
     modelled_s: float = 0.0
     compute_s: float = 0.0
     overruns: int = 0
+    overrun_s: float = 0.0
     preemptions: int = 0
 
 
@@ -606,6 +609,7 @@ class CpuBatchedEngine:
         self._stats.compute_s += compute
         if compute > modelled:
             self._stats.overruns += 1
+            self._stats.overrun_s += compute - modelled
         else:
             await asyncio.sleep(modelled - compute)
         return result
