@@ -105,8 +105,8 @@ def ahead_then_fresh(tokenizer, scored, handed) -> tuple[DataProto, DataProto, C
     async def run() -> tuple[DataProto, DataProto, CountingWorker]:
         ahead = worker_with(tokenizer)
         ahead._build_rows_ahead([row("p")] * len(scored), scored, keys)
-        reused = await ahead.hand_over(trainer, handed, keys)
-        return reused, await worker_with(tokenizer).hand_over(trainer, handed, keys), ahead
+        reused = await ahead.hand_over(trainer, handed, keys, keep=[])
+        return reused, await worker_with(tokenizer).hand_over(trainer, handed, keys, keep=[]), ahead
 
     return asyncio.run(run())
 

@@ -417,7 +417,7 @@ class PartialAgentLoopWorker(AgentLoopWorker):
         rows: DataProto,
         samples: list[FinishedSample],
         keys: list[SampleKey],
-        keep: Collection[str] = (),
+        keep: Collection[str],
     ) -> DataProto:
         """verl's rows for finished samples: ``_agent_loop_postprocess`` per sample (padding, position ids, reward)
         and ``_postprocess`` for the chunk, exactly as ``generate_sequences`` does for its own outputs.
@@ -469,11 +469,11 @@ class PartialAgentLoopWorker(AgentLoopWorker):
             self.rows_ahead[key] = RowAhead(sample, built)
 
     async def score(
-        self, rows: list[dict[str, Any]], samples: list[FinishedSample], keys: list[SampleKey] | None = None
+        self, rows: list[dict[str, Any]], samples: list[FinishedSample], keys: list[SampleKey]
     ) -> list[SampleScore]:
         """Finished samples' rewards, computed as ``_agent_loop_postprocess`` does (verl's ``_compute_score`` through
-        the reward loop workers, with the row's fields as its keyword arguments). With ``keys``, their rows are then
-        built in the background (:meth:`_build_rows_ahead`) for the hand-over."""
+        the reward loop workers, with the row's fields as its keyword arguments); their rows are then built in the
+        background (:meth:`_build_rows_ahead`) for the hand-over."""
         if self.reward_loop_worker_handles is None:
             raise RuntimeError(
                 "algorithm.filter_groups needs verl's reward loop during generation (rule-based reward or "
@@ -489,9 +489,8 @@ class PartialAgentLoopWorker(AgentLoopWorker):
             return SampleScore(float(output.reward_score), dict(output.extra_fields.get("reward_extra_info", {})))
 
         scores = list(await asyncio.gather(*[one(row, sample) for row, sample in zip(rows, samples, strict=True)]))
-        if keys is not None:
-            scored = [dataclasses.replace(sample, score=score) for sample, score in zip(samples, scores, strict=True)]
-            self._build_rows_ahead(rows, scored, keys)
+        scored = [dataclasses.replace(sample, score=score) for sample, score in zip(samples, scores, strict=True)]
+        self._build_rows_ahead(rows, scored, keys)
         return scores
 
     def _finished_output(self, sample: FinishedSample) -> AgentLoopOutput:
