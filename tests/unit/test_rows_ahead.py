@@ -157,3 +157,18 @@ def test_no_row_is_built_ahead_for_a_distilled_run_or_a_multi_turn_trajectory(to
     worker = worker_with(tokenizer)
     worker._build_rows_ahead([row("p")], [trajectory], [("g", 0)])
     assert worker.rows_ahead == {}
+
+
+def test_a_row_built_ahead_holds_32_bytes_a_prompt_budget_token_and_44_a_response_budget_token(tokenizer):
+    """What rows built ahead cost a worker's memory (docs/method/partial-rollout.md: 736 KiB a row at 1k/16k budgets,
+    up to 1.4 GiB per worker at 512 x 16): verl pads each row to both budgets, whatever the answer's length. A change
+    in verl's row layout changes that bound, and this fails."""
+
+    async def built() -> object:
+        worker = worker_with(tokenizer)
+        worker._build_rows_ahead([row("p")], [sample([7, 8], 1.0)], [("g", 0)])
+        return await worker.rows_ahead[("g", 0)].row
+
+    output = asyncio.run(built())
+    tensors = [value for value in vars(output).values() if isinstance(value, torch.Tensor)]
+    assert sum(tensor.untyped_storage().nbytes() for tensor in tensors) == 32 * PROMPT_LENGTH + 44 * RESPONSE_LENGTH
