@@ -75,7 +75,7 @@ from benchmarks.harness import (
     usable,
 )
 from verl_partial.config.backend import EMULATE_GPU_ENV, ENGINE_STATS_DIR_ENV, EmulatedGpu
-from verl_partial.config.partial import PRESETS
+from verl_partial.config.partial import CALLS_PER_SERVER_CEILING, PRESETS
 from verl_partial.sim.bound import StepCostFloor, phase_floor
 
 MODULE = "benchmarks.bench_peer"  # what Ray workers and verl's hooks import (not __name__: "__main__" under -m)
@@ -205,6 +205,14 @@ MODES: dict[str, PeerMode] = {
             "v0",
             "default",
             overrides=("partial.kv_tokens_per_server=off",),
+        ),
+        # The default before ``partial.max_calls_per_server=auto`` capped calls at the GPU's compute knee.
+        PeerMode(
+            "default_uncapped",
+            "ours `+partial=default`, calls per server not capped at the knee (512)",
+            "v0",
+            "default",
+            overrides=(f"partial.max_calls_per_server={CALLS_PER_SERVER_CEILING}",),
         ),
         PeerMode(
             "default_knee",

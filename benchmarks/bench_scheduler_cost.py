@@ -202,10 +202,10 @@ async def _steps(prompts: int, n: int, steps: int, servers: int, workers: int, p
     config = PRESETS[preset]
     # longest_first (on_policy) and length windows need the estimator the glue builds; prompts are their own identity.
     estimator = length_estimator(config, identity=lambda prompt: prompt)
-    # The stand-in decodes every call it holds at once, up to the router's max_calls_per_server: its slots.
     pool: RolloutPool[int] = RolloutPool(config, group_size=n, batch_groups=prompts, response_length=RESPONSE_LENGTH,
-                                         priority=estimator.priority if estimator else None,
-                                         engine_slots=servers * config.max_calls_per_server)  # fmt: skip
+                                         priority=estimator.priority if estimator else None)  # fmt: skip
+    # The stand-in decodes every call it holds at once, up to the router's cap (no GPU, so no knee): its slots.
+    pool.engine_slots = servers * pool.calls_cap()
     engine, source, out = StandInEngine(servers, workers), EndlessPrompts(), []
     scorer = StandInScorer(engine.count, workers)
     with counting_wakeups(engine.count):

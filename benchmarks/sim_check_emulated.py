@@ -41,7 +41,7 @@ from benchmarks.bench_peer import (
     usable,
     workload_of,
 )
-from verl_partial.config.partial import PRESETS, PartialConfig
+from verl_partial.config.partial import CALLS_PER_SERVER_CEILING, PRESETS, PartialConfig
 from verl_partial.sim.run import ceiling, mode_configs, simulate
 from verl_partial.sim.workload import Workload as SimWorkload
 
@@ -64,8 +64,23 @@ def sim_configs(batch: int) -> dict[str, PartialConfig]:
         "default_extra": dataclasses.replace(default, refill=False, extra_groups=batch),
         "default_kv_off": dataclasses.replace(default, kv_tokens_per_server="off"),
         "default_knee": dataclasses.replace(default, max_calls_per_server=KNEE_CALLS),
+        "default_uncapped": dataclasses.replace(default, max_calls_per_server=CALLS_PER_SERVER_CEILING),
         **{name: modes[name] for name in ("on_policy", "kimi", "restart") if name in PRESETS},
     }
+
+
+def as_run(config: PartialConfig, results: dict[str, Any], mode: str) -> PartialConfig:
+    """``config`` as the mode's runs had it: runs made before ``partial.max_calls_per_server=auto`` (no step logs
+    ``partial/server_load/calls_knee``) capped calls at the old default, 512, not at the GPU's knee."""
+    if config.max_calls_per_server != "auto":
+        return config
+    logged = any(
+        "partial/server_load/calls_knee" in step
+        for run in results["runs"]
+        if run["mode"] == mode
+        for step in run.get("steps", {}).values()
+    )
+    return config if logged else dataclasses.replace(config, max_calls_per_server=CALLS_PER_SERVER_CEILING)
 
 
 # The engine's composition, whole run (warm-up included: the counters are cumulative), per trained token: the same
@@ -134,6 +149,7 @@ def predict(results: dict[str, Any], engine: str, prompt_len: int, prefix_cache:
     for name, config in sim_configs(wl.prompts).items():
         if name not in {run["mode"] for run in results["runs"]}:
             continue
+        config = as_run(config, results, name)
         for seed in SEEDS:
             sim_wl = SimWorkload(
                 batch=wl.prompts,

@@ -20,7 +20,7 @@ from typing import Any
 
 from benchmarks._machine import git_commit, machine
 from benchmarks.sim_fill_engine import SEEDS, Shape, measure, ratio, speedups
-from verl_partial.config.partial import PartialConfig
+from verl_partial.config.partial import CALLS_PER_SERVER_CEILING, PartialConfig
 from verl_partial.sim.engine import ServerSpec
 from verl_partial.sim.hardware import GPUS, MODELS
 from verl_partial.sim.run import mode_configs
@@ -32,13 +32,14 @@ SHAPES = (
 
 
 def knee_configs(shape: Shape, spec: ServerSpec) -> dict[str, PartialConfig]:
-    """Sync and ``default`` uncapped, at the knee and at half of it (how far below the knee a cap may go)."""
+    """Sync and ``default`` uncapped (512 calls per server, the default before ``auto``), at the knee (the shipped
+    ``auto``: each simulated server names its GPU) and at half of it (how far below the knee a cap may go)."""
     modes = mode_configs(shape.batch)
     default = modes["default"]
     return {
         "sync": modes["sync"],
-        "default": default,
-        "default_knee": dataclasses.replace(default, max_calls_per_server=spec.compute_knee),
+        "default": dataclasses.replace(default, max_calls_per_server=CALLS_PER_SERVER_CEILING),
+        "default_knee": default,
         "default_half_knee": dataclasses.replace(default, max_calls_per_server=max(1, spec.compute_knee // 2)),
     }
 

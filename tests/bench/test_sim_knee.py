@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Callable
 from types import ModuleType
 
+from verl_partial.config.partial import CALLS_PER_SERVER_CEILING, PRESETS
 from verl_partial.sim.engine import ServerSpec
 from verl_partial.sim.hardware import H20, QWEN25_7B
 
@@ -14,11 +15,13 @@ def test_the_capped_modes_sit_at_the_knee_and_half_of_it(bench_module: Callable[
     knee = bench_module("sim_knee")
     spec = ServerSpec(H20, QWEN25_7B)
     configs = knee.knee_configs(knee.SHAPES[1], spec)
-    assert configs["default_knee"].max_calls_per_server == spec.compute_knee == 26
-    assert configs["default_half_knee"].max_calls_per_server == 13
-    # everything else is the shipped default: the cap is the only difference measured
+    # at the knee: the shipped default, whose ``auto`` the simulated server's GPU (an H20) sets to its knee
+    assert configs["default_knee"].max_calls_per_server == PRESETS["default"].max_calls_per_server == "auto"
+    assert spec.compute_knee == 26 and configs["default_half_knee"].max_calls_per_server == 13
+    # uncapped: the default before ``auto``; the cap is the only difference measured
     uncapped = configs["default"]
-    assert dataclasses.replace(configs["default_knee"], max_calls_per_server=uncapped.max_calls_per_server) == uncapped
+    assert uncapped.max_calls_per_server == CALLS_PER_SERVER_CEILING
+    assert dataclasses.replace(configs["default_knee"], max_calls_per_server=CALLS_PER_SERVER_CEILING) == uncapped
 
 
 def test_the_summary_pairs_seeds(bench_module: Callable[[str], ModuleType]) -> None:

@@ -262,10 +262,11 @@ def test_the_kv_cache_size_caps_the_calls_each_server_runs(demo_assets, tmp_path
 
 def test_the_default_caps_calls_by_the_kv_cache_its_engine_reports(demo_assets, tmp_path):
     """``auto``, the default, through Ray and verl's trainer: our engine emulating 32B on one H20 reports the 33,569
-    tokens of cache that GPU holds, the driver reads them from the server, and from step 2 each server's cap is that
-    cache over the expected context of a sample (between the longest context a sample can have and one token past
-    the shortest prompt), within ``max_calls_per_server``. Whole groups, each once. (That the cap binds is shown
-    with ``kv_tokens_per_server=1`` above: the demo's answers are short against this cache.)"""
+    tokens of cache that GPU holds and the GPU's name, the driver reads both from the server, and from step 2 each
+    server's cap is that cache over the expected context of a sample (between the longest context a sample can have
+    and one token past the shortest prompt), within the H20's compute knee (``max_calls_per_server=auto``). Whole
+    groups, each once. (That the cap binds is shown with ``kv_tokens_per_server=1`` above: the demo's answers are
+    short against this cache.)"""
     dump = f"partial.dump_dir={tmp_path / 'dump'}"
     run = run_trainer(
         demo_assets, tmp_path, steps=2, partial="default", extra=[dump, "backend.emulate_gpu=H20/Qwen2.5-32B"]
@@ -276,10 +277,13 @@ def test_the_default_caps_calls_by_the_kv_cache_its_engine_reports(demo_assets, 
     samples = [sample for step in (1, 2) for sample in torch.load(tmp_path / "dump" / f"step_{step}.pt")["samples"]]
     shortest = 1 + min(len(sample["prompt_ids"]) for sample in samples)
     longest = demo_assets.max_prompt_length + demo_assets.max_response_length
-    calls = PRESETS["default"].max_calls_per_server
+    # ``max_calls_per_server=auto``, the default: the knee of the GPU the server names (an H20's, 26 running requests)
+    assert PRESETS["default"].max_calls_per_server == "auto"
+    assert {run.metric(step, "partial/server_load/calls_knee") for step in (1, 2)} == {26}
+    calls = 26
     cap = run.metric(2, "partial/server_load/calls_cap")
     assert min(calls, 33_569 // longest) <= cap <= min(calls, 33_569 // shortest)
-    print(f"calls per server capped at {cap:.0f} by 33,569 tokens of cache (max_calls_per_server {calls})")
+    print(f"calls per server capped at {cap:.0f} by 33,569 tokens of cache and the H20's knee ({calls})")
 
 
 def check_whole_groups_each_once(run: Run, dump_dir: Path, steps: int) -> None:

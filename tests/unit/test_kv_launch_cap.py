@@ -15,7 +15,7 @@ import dataclasses
 from sim_engine import PROMPT_LEN, SimEngine, SimServer
 from test_partial_scheduler import check_groups, check_ledger, simulate
 
-from verl_partial.config.partial import PRESETS, PartialConfig
+from verl_partial.config.partial import CALLS_PER_SERVER_CEILING, PRESETS, PartialConfig
 
 N, BATCH, LENGTH, SEED, STEPS = 4, 4, 200, 3, 5
 
@@ -44,7 +44,7 @@ def test_without_a_cache_size_the_calls_are_capped_by_max_calls_per_server_only(
     """``off``, whatever the servers report, and ``auto`` where no server reports one (our CPU engine without an
     emulated GPU): the cap is ``max_calls_per_server`` and a server gets every call the step has (16+ here)."""
     for result in (run("off", server_kv_tokens=60), run("auto", server_kv_tokens=None)):
-        cap = PRESETS["default"].max_calls_per_server
+        cap = CALLS_PER_SERVER_CEILING  # ``auto`` with no GPU knee (the servers here name none)
         assert all(m["partial/server_load/calls_cap"] == cap for m in result.metrics)
         assert all(m["partial/server_load/kv_tokens"] == 0 for m in result.metrics)
         assert max(m["partial/server_load/calls_max"] for m in result.metrics) > 8

@@ -95,6 +95,7 @@ def simulate(
     group_filter: GroupFilter | None = None,
     scorer: GroupScorer | None = None,
     server_kv_tokens: int | None = None,
+    server_call_knee: int | None = None,
 ) -> Run:
     """Run ``steps`` training steps; after each, check that nothing is left generating, then "train" for
     ``TRAIN_S`` virtual seconds with the gates open and check that nothing generated meanwhile."""
@@ -106,6 +107,8 @@ def simulate(
     shape["engine_slots"] = sum(server.max_num_seqs for server in engine.servers_)
     # What the glue reads from the servers under ``partial.kv_tokens_per_server=auto`` (None: no engine says).
     shape["server_kv_tokens"] = server_kv_tokens
+    # What the glue reads from the servers' GPU names under ``partial.max_calls_per_server=auto`` (None: no GPU).
+    shape["server_call_knee"] = server_call_knee
     pool: RolloutPool = RolloutPool(config, **shape)
     run = Run([], pool, engine, source, [], [])
 
@@ -227,7 +230,7 @@ def configs(draw: st.DrawFn, max_extra: int = 6) -> PartialConfig:
         max_retries=draw(st.integers(0, 3)),
         request_timeout_s=2.0,
         abort_grace_s=1.0,
-        max_calls_per_server=draw(st.integers(1, 8)),
+        max_calls_per_server=draw(st.one_of(st.just("auto"), st.integers(1, 8))),
         kv_tokens_per_server=draw(st.one_of(st.sampled_from(["auto", "off"]), st.integers(1, 200))),
     )
 
@@ -248,6 +251,7 @@ def wait_fits(config: PartialConfig, batch: int) -> bool:
     max_transit=st.sampled_from([0.0, 0.05, 0.5]),
     reject_request=st.booleans(),
     server_kv_tokens=st.one_of(st.none(), st.integers(1, 200)),
+    server_call_knee=st.one_of(st.none(), st.integers(1, 8)),
 )
 # wait + 5 extra groups on a batch of 3: younger groups finished first and filled step 2, so three steps' worth of
 # old groups came due at step 3 and one was restarted (fixed by the look-ahead in RolloutPool.step_done).
@@ -257,7 +261,7 @@ def wait_fits(config: PartialConfig, batch: int) -> bool:
         abort_grace_s=1.0, max_calls_per_server=3,
     ),
     n=1, batch=3, steps=4, response_length=16, seed=7961, servers=3, max_transit=0.05, reject_request=False,
-    server_kv_tokens=None,
+    server_kv_tokens=None, server_call_knee=None,
 )  # fmt: skip
 # wait, 3 extra groups on a batch of 1, calls held 0.5 s in transit: p1's calls were taken back in transit for three
 # step ends, so it finished on fresh tokens in the same step as p2, admitted after it but holding version-0 tokens;
@@ -268,16 +272,26 @@ def wait_fits(config: PartialConfig, batch: int) -> bool:
         request_timeout_s=2.0, abort_grace_s=1.0, max_calls_per_server=4,
     ),
     n=1, batch=1, steps=5, response_length=4, seed=501, servers=1, max_transit=0.5, reject_request=False,
-    server_kv_tokens=None,
+    server_kv_tokens=None, server_call_knee=None,
 )  # fmt: skip
 def test_invariants_over_random_schedules(
-    config, n, batch, steps, response_length, seed, servers, max_transit, reject_request, server_kv_tokens
+    config,
+    n,
+    batch,
+    steps,
+    response_length,
+    seed,
+    servers,
+    max_transit,
+    reject_request,
+    server_kv_tokens,
+    server_call_knee,
 ):
     assume(wait_fits(config, batch))
     engine = make_engine(seed, response_length, servers, max_transit=max_transit, reject_request=reject_request)
     run = simulate(
         config, n=n, batch=batch, steps=steps, response_length=response_length, seed=seed, engine=engine,
-        server_kv_tokens=server_kv_tokens,
+        server_kv_tokens=server_kv_tokens, server_call_knee=server_call_knee,
     )  # fmt: skip
     check_groups(run.trained, config, n, batch, response_length, seed)
     check_ledger(run, batch, config.extra_groups)
@@ -285,7 +299,9 @@ def test_invariants_over_random_schedules(
     for metrics in run.metrics:  # 12 B per parked token plus the groups' tokenised prompts (one int32 each here)
         prompt_bytes = metrics["partial/parked_bytes"] - 12 * metrics["partial/parked_tokens"]
         assert 0 <= prompt_bytes <= 4 * metrics["partial/in_flight_groups"]
-    assert all(peak <= config.max_calls_per_server for peak in engine.max_outstanding.values())
+    # The cap in force: an integer set, or under ``auto`` the servers' knee (512 without one).
+    cap = config.max_calls_per_server if config.max_calls_per_server != "auto" else server_call_knee or 512
+    assert all(peak <= cap for peak in engine.max_outstanding.values())
     if config.staleness_policy == "wait":  # the bound is kept by waiting, never by throwing tokens away
         assert sum(m["partial/tokens_discarded"] + m["partial/restarted_samples"] for m in run.metrics) == 0
 

@@ -25,11 +25,20 @@ ENGINE_STATS_DIR_ENV = "VERL_PARTIAL_ENGINE_STATS_DIR"
 # Spelled out, not built from the tables: the typed configs sit below the simulator (tests/unit/test_layers.py).
 EmulateGpu = Literal[
     "H100-SXM/Qwen2.5-7B",
+    "H100-PCIe/Qwen2.5-7B",
     "H800-SXM/Qwen2.5-7B",
     "H20/Qwen2.5-7B",
     "H20/Qwen2.5-32B",
     "H200-SXM/Qwen2.5-7B",
     "H200-SXM/Qwen2.5-32B",
+    "A100-SXM-80GB/Qwen2.5-7B",
+    "A800-SXM-80GB/Qwen2.5-7B",
+    "A100-SXM-40GB/Qwen2.5-7B",
+    "L40S/Qwen2.5-7B",
+    "B200/Qwen2.5-7B",
+    "B200/Qwen2.5-32B",
+    "MI300X/Qwen2.5-7B",
+    "MI300X/Qwen2.5-32B",
 ]
 EMULATE_GPU_CHOICES: tuple[str, ...] = typing.get_args(EmulateGpu)
 
@@ -64,6 +73,13 @@ class EmulatedGpu:
     @property
     def name(self) -> str:
         return f"{self.gpu}/{self.model}"
+
+    @property
+    def device_name(self) -> str:
+        """The name the emulated GPU's engine would report (vLLM's ``get_device_name()``, NVML's)."""
+        from verl_partial.sim.hardware import GPUS
+
+        return GPUS[self.gpu].device_names[0]
 
     def server_spec(self, max_num_seqs: int) -> ServerSpec:
         """The simulator's server for this GPU and model; its ``step_seconds`` is the engine's step time, its

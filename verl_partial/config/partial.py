@@ -22,6 +22,10 @@ BLOCK = "partial"
 StalenessPolicy = Literal["restart", "drop", "keep", "wait"]
 Schedule = Literal["fifo", "longest_first"]
 KvCacheSource = Literal["auto", "off"]
+CallsCapSource = Literal["auto"]
+#: Calls per server ``partial.max_calls_per_server=auto`` allows where no GPU knee caps them (and its most anywhere):
+#: half the server actor's Ray ``max_concurrency`` (1000 in verl), so abort/resume/sleep always find a free slot.
+CALLS_PER_SERVER_CEILING = 512
 #: Allowed values of ``partial.staleness_policy``.
 STALENESS_POLICIES: tuple[str, ...] = choices(StalenessPolicy)
 #: Allowed values of ``partial.schedule``.
@@ -104,10 +108,12 @@ class PartialConfig:
     end takes about one ``abort_grace_s`` when calls are still out, and at most ``6 * abort_grace_s`` even when a
     server hangs (grace, two take-backs, cancel, the abort's return and resume are each bounded by it)."""
 
-    max_calls_per_server: int = 512
-    """Most outstanding generate calls per server; keep it below the server actor's Ray ``max_concurrency`` (1000 in
-    verl) so abort/resume/sleep always find a free slot. Lower it to a compute-bound GPU's knee (the partial-rollout
-    guide, "Where it gains")."""
+    max_calls_per_server: int | CallsCapSource = "auto"
+    """Most outstanding generate calls per server. ``auto``: the compute knee of the servers' GPU, found by the name
+    each engine reports at the first step (26 on an H20, 147 on an H200, 210 on an H100; the partial-rollout guide,
+    "Where it gains"), at most 512; 512 without a GPU; a GPU the table does not know is refused by name. An integer is
+    the cap itself: keep it below the server actor's Ray ``max_concurrency`` (1000 in verl); set one for weight-only
+    quantised rollout, which halves the knee."""
 
     kv_tokens_per_server: int | KvCacheSource = "auto"
     """Tokens of KV cache per server. A server gets at most this over the mean context (prompt + response) of the
@@ -183,7 +189,10 @@ class PartialConfig:
         require(self.request_timeout_s > 0, "partial.request_timeout_s", "a number > 0", self.request_timeout_s)
         require(self.abort_grace_s > 0, "partial.abort_grace_s", "a number > 0", self.abort_grace_s)
         require(
-            self.max_calls_per_server >= 1, "partial.max_calls_per_server", "an integer >= 1", self.max_calls_per_server
+            isinstance(self.max_calls_per_server, str) or self.max_calls_per_server >= 1,
+            "partial.max_calls_per_server",
+            "auto or an integer >= 1",
+            self.max_calls_per_server,
         )
         require(
             isinstance(self.kv_tokens_per_server, str) or self.kv_tokens_per_server >= 1,

@@ -216,6 +216,12 @@ class _CpuServerBase:
     async def _generate(self, prompt_ids: list[int], sampling_params: dict[str, Any], request_id: str) -> TokenOutput:
         raise NotImplementedError
 
+    async def gpu_name(self) -> str | None:
+        """What verl-partial adds to the engines' servers (``partial.max_calls_per_server=auto``): the GPU the engine
+        runs on, as vLLM and NVML name it; here the emulated GPU's (``backend.emulate_gpu``), whose steps the engine
+        models, or None: the plain CPU engine runs on no GPU."""
+        return None if self.emulate_gpu is None else self.emulate_gpu.device_name
+
     def engine_stats(self) -> dict[str, Any]:
         """The engine's cumulative counters (``EngineStats``) with ``max_num_seqs``, the ``emulate_gpu`` setting
         (``"<GPU>/<model>"`` or None), the KV-cache capacity it implies (tokens, or None: unlimited) and whether its
@@ -713,6 +719,9 @@ class FixedCpuSglangServer(CpuSglangServer):
 
 
 apply_sglang_server_fix(FixedCpuSglangServer)
+# The one method of the fix the double answers itself: the fix asks NVML for the GPU, and the double's GPU is the one
+# its engine emulates (none on this machine's NVML).
+FixedCpuSglangServer.gpu_name = _CpuServerBase.gpu_name  # type: ignore[method-assign]
 
 
 class CpuReplica(RolloutReplica):

@@ -41,7 +41,7 @@ import numpy as np
 
 from verl_partial.core.engines.prefix_cache import cached_tokens
 from verl_partial.core.partial.finish import Finish
-from verl_partial.sim.hardware import Efficiency, GpuSpec, ModelSpec
+from verl_partial.sim.hardware import Efficiency, GpuSpec, ModelSpec, compute_knee
 
 # Longest run of decode steps planned at once; a bound on the numpy arrays, not a model parameter.
 _MAX_PLANNED_STEPS = 1 << 16
@@ -93,9 +93,7 @@ class ServerSpec:
         """Most decoding requests a step serves at the cost of the weights' read alone; past it the linear layers are
         compute-bound, and each request adds step time rather than throughput (tensor parallelism divides both
         alike). Where it is below the server's slots, calls per server capped near it end steps sooner."""
-        read = self.model.weight_bytes / (self.gpu.hbm_bandwidth * self.efficiency.bandwidth)
-        per_token = self.model.linear_flops_per_token / (self.gpu.bf16_flops * self.efficiency.compute)
-        return int(read // per_token)
+        return compute_knee(self.gpu, self.efficiency, self.model.bytes_per_param)
 
     def step_seconds(
         self, decode_requests: int, decode_context: float, prefill_tokens: int = 0, prefill_attention: float = 0.0

@@ -15,25 +15,61 @@ TB = 1e12
 
 @dataclass(frozen=True)
 class GpuSpec:
-    """One accelerator: HBM capacity (bytes), HBM bandwidth (bytes/s), dense bf16 tensor FLOP/s."""
+    """One accelerator: HBM capacity (bytes), HBM bandwidth (bytes/s), dense bf16 tensor FLOP/s.
+
+    ``device_names``: the names the engines report for it (vLLM's ``current_platform.get_device_name()``, NVML's
+    ``nvmlDeviceGetName``), each checked against the fused-MoE tuning files named after it in the pinned vLLM wheel
+    (tests/unit/test_vllm_device_names.py). ``partial.max_calls_per_server=auto`` finds a server's GPU by them.
+    """
 
     name: str
     hbm_bytes: float
     hbm_bandwidth: float
     bf16_flops: float
+    device_names: tuple[str, ...] = ()
 
 
 # NVIDIA H100 SXM5 data sheet: 80 GB HBM3, 3.35 TB/s, 989 TFLOPS bf16 dense (1,979 with sparsity).
-H100_SXM = GpuSpec("H100-SXM", 80 * GB, 3.35 * TB, 989e12)
+H100_SXM = GpuSpec("H100-SXM", 80 * GB, 3.35 * TB, 989e12, ("NVIDIA H100 80GB HBM3",))
+# H100 PCIe data sheet: 80 GB HBM2e, 2.0 TB/s, 756 TFLOPS bf16 dense (1,513 with sparsity).
+H100_PCIE = GpuSpec("H100-PCIe", 80 * GB, 2.0 * TB, 756e12, ("NVIDIA H100 PCIe",))
 # H800 SXM: the H100 SXM die and memory with a cut NVLink (400 GB/s); same HBM and tensor figures.
-H800_SXM = GpuSpec("H800-SXM", 80 * GB, 3.35 * TB, 989e12)
+H800_SXM = GpuSpec("H800-SXM", 80 * GB, 3.35 * TB, 989e12, ("NVIDIA H800",))
 # NVIDIA H20 (China export part): 96 GB HBM3, 4.0 TB/s, 148 TFLOPS bf16/fp16 dense.
-H20 = GpuSpec("H20", 96 * GB, 4.0 * TB, 148e12)
-
+H20 = GpuSpec("H20", 96 * GB, 4.0 * TB, 148e12, ("NVIDIA H20",))
 # NVIDIA H200 SXM data sheet: 141 GB HBM3e, 4.8 TB/s, 989 TFLOPS bf16 dense (the H100's tensor cores).
-H200_SXM = GpuSpec("H200-SXM", 141 * GB, 4.8 * TB, 989e12)
+H200_SXM = GpuSpec("H200-SXM", 141 * GB, 4.8 * TB, 989e12, ("NVIDIA H200",))
+# NVIDIA A100 SXM4 80GB data sheet: 2,039 GB/s HBM2e, 312 TFLOPS bf16 dense (624 with sparsity). The A800 (China
+# export part) is the same die and memory with a cut NVLink.
+A100_SXM_80GB = GpuSpec("A100-SXM-80GB", 80 * GB, 2.039 * TB, 312e12, ("NVIDIA A100-SXM4-80GB",))
+A800_SXM_80GB = GpuSpec("A800-SXM-80GB", 80 * GB, 2.039 * TB, 312e12, ("NVIDIA A800-SXM4-80GB",))
+# NVIDIA A100 SXM4 40GB data sheet: 1,555 GB/s HBM2, 312 TFLOPS bf16 dense.
+A100_SXM_40GB = GpuSpec("A100-SXM-40GB", 40 * GB, 1.555 * TB, 312e12, ("NVIDIA A100-SXM4-40GB",))
+# NVIDIA L40S data sheet: 48 GB GDDR6, 864 GB/s, 362 TFLOPS bf16 dense (733 with sparsity).
+L40S = GpuSpec("L40S", 48 * GB, 0.864 * TB, 362e12, ("NVIDIA L40S",))
+# NVIDIA HGX B200 data sheet, per GPU: 180 GB HBM3e, 8 TB/s, 2.25 PFLOPS bf16 dense (4.5 with sparsity).
+B200 = GpuSpec("B200", 180 * GB, 8.0 * TB, 2.25e15, ("NVIDIA B200",))
+# AMD Instinct MI300X data sheet: 192 GB HBM3, 5.3 TB/s, 1,307 TFLOPS bf16 dense.
+MI300X = GpuSpec("MI300X", 192 * GB, 5.3 * TB, 1307e12, ("AMD Instinct MI300X",))
 
-GPUS = {gpu.name: gpu for gpu in (H100_SXM, H800_SXM, H20, H200_SXM)}
+GPUS = {
+    gpu.name: gpu
+    for gpu in (
+        H100_SXM,
+        H100_PCIE,
+        H800_SXM,
+        H20,
+        H200_SXM,
+        A100_SXM_80GB,
+        A800_SXM_80GB,
+        A100_SXM_40GB,
+        L40S,
+        B200,
+        MI300X,
+    )
+}
+#: Each GPU by the name its engine reports (``GpuSpec.device_names``).
+GPUS_BY_DEVICE_NAME = {device: gpu for gpu in GPUS.values() for device in gpu.device_names}
 
 
 @dataclass(frozen=True)
@@ -113,3 +149,31 @@ class Efficiency:
 
     bandwidth: float = 0.70
     compute: float = 0.50
+
+
+def compute_knee(gpu: GpuSpec, efficiency: Efficiency | None = None, bytes_per_param: int = 2) -> int:
+    """Most decoding requests one engine step serves at the cost of the weights' read alone: the read takes
+    ``bytes_per_param x params / bandwidth``, each request's linear layers ``2 x params / FLOP/s``, so the model's
+    size cancels and the knee is the GPU's (about 0.7 x FLOP/s over bytes/s for bf16 weights). Weights and matmuls of
+    one width (bf16, or fp8 weights on fp8 tensor cores) give the same knee; weight-only quantisation halves it."""
+    efficiency = efficiency or Efficiency()
+    read_per_param = bytes_per_param / (gpu.hbm_bandwidth * efficiency.bandwidth)
+    compute_per_param_and_request = 2.0 / (gpu.bf16_flops * efficiency.compute)
+    return int(read_per_param // compute_per_param_and_request)
+
+
+def knee_of_servers(device_names: dict[str, str | None]) -> int | None:
+    """Calls per server ``partial.max_calls_per_server=auto`` caps at: the smallest compute knee of the servers' GPUs,
+    by the name each server's engine reports (None: the server runs on no GPU, e.g. vLLM's CPU build or our CPU
+    engine). None when no server names a GPU. A GPU not in the table is refused, naming it: a knee guessed too low
+    halves throughput (docs/evidence.md#sim-knee), and one guessed too high is no cap at all."""
+    unknown = sorted({name for name in device_names.values() if name is not None and name not in GPUS_BY_DEVICE_NAME})
+    if unknown:
+        servers = sorted(address for address, name in device_names.items() if name in unknown)
+        raise ValueError(
+            f"partial.max_calls_per_server=auto does not know the GPU {unknown} of servers {servers}: set "
+            f"partial.max_calls_per_server to an integer (the GPU's compute knee, about 0.7 x bf16 FLOP/s over HBM "
+            f"bytes/s; 512 for no cap); known GPUs: {sorted(GPUS_BY_DEVICE_NAME)}"
+        )
+    knees = [compute_knee(GPUS_BY_DEVICE_NAME[name]) for name in device_names.values() if name is not None]
+    return min(knees) if knees else None

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from verl_partial.config.partial import PRESETS, PartialConfig
+from verl_partial.config.partial import CALLS_PER_SERVER_CEILING, PRESETS, PartialConfig
 from verl_partial.core.partial.length_batching import LengthBatcher
 from verl_partial.core.partial.on_policy import length_estimator
 from verl_partial.core.partial.pool import RolloutPool
@@ -35,14 +35,19 @@ def mode_configs(batch: int) -> dict[str, PartialConfig]:
     ``default``, ``restart``, ``kimi``, ``on_policy``: the presets of hydra_configs/partial/, as
     ``verl_partial.config.partial.PRESETS`` defines them. ``sync``: ``restart`` without over-provisioning,
     so a step waits for its slowest sample and nothing is parked, and every request sent at once whatever the servers'
-    KV cache holds -- verl's synchronous rollout. ``keep``:
+    KV cache and compute knee -- verl's synchronous rollout. ``keep``:
     ``restart`` with ``staleness_policy=keep``. ``on_policy_over``: ``on_policy`` with over-provisioning
     (unfinished samples are restarted on the new weights, their tokens thrown away). ``default_extra``: ``default``'s
     bound with a batch of extra groups admitted at each step start instead of refill (v1's one batch ahead).
     """
     presets = {name: dataclasses.replace(config, **_NO_STALLS) for name, config in PRESETS.items()}
     return {
-        "sync": dataclasses.replace(presets["restart"], extra_groups=0, kv_tokens_per_server="off"),
+        "sync": dataclasses.replace(
+            presets["restart"],
+            extra_groups=0,
+            kv_tokens_per_server="off",
+            max_calls_per_server=CALLS_PER_SERVER_CEILING,
+        ),
         **presets,
         "keep": dataclasses.replace(presets["restart"], staleness_policy="keep"),
         "on_policy_over": dataclasses.replace(presets["on_policy"], extra_groups=batch // 4),
@@ -114,6 +119,7 @@ def simulate(
             priority=estimator.priority if estimator else None,
             engine_slots=servers * spec.max_num_seqs,
             server_kv_tokens=spec.kv_capacity_tokens,  # what each simulated server reports under ``auto``
+            server_call_knee=spec.compute_knee,  # the knee of the GPU each simulated server names under ``auto``
         )
         backend = SimBackend(spec, servers, workload)
         source = PromptCycle(workload)

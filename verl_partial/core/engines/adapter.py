@@ -102,6 +102,9 @@ PROGRESS_METHOD = "progress_of_requests"
 # The server method (ours, on every engine) that reports the tokens of KV cache its engine holds, or None where it
 # cannot tell (``partial.kv_tokens_per_server=auto``).
 KV_CACHE_METHOD = "kv_cache_tokens"
+# The server method (ours, on every engine) that names the GPU its engine runs on as the engine reports it (vLLM's
+# ``current_platform.get_device_name()``), or None on a CPU (``partial.max_calls_per_server=auto``).
+GPU_NAME_METHOD = "gpu_name"
 
 
 @dataclass(frozen=True)
@@ -162,17 +165,32 @@ def read_kv_cache_tokens(servers: dict[str, Any], resolve: Callable[[list[Any]],
     run): the cap ``partial.kv_tokens_per_server=auto`` divides. None when any server cannot tell (our CPU engine
     without an emulated GPU), since a cap from the others could starve it or overfill it. ``resolve`` is
     ``ray.get``; a server without the method (a verl or engine we did not patch) fails here, naming it."""
-    missing = [address for address, server in servers.items() if getattr(server, KV_CACHE_METHOD, None) is None]
+    sizes = _ask_every_server(servers, KV_CACHE_METHOD, "partial.kv_tokens_per_server", resolve)
+    if not sizes or any(size is None for size in sizes.values()):
+        return None
+    return min(int(size) for size in sizes.values())
+
+
+def read_gpu_names(servers: dict[str, Any], resolve: Callable[[list[Any]], list[Any]]) -> dict[str, str | None]:
+    """Each server's GPU as its engine names it, None on a CPU (one Ray call per server, once per run): what
+    ``partial.max_calls_per_server=auto`` looks the compute knee up by (``verl_partial.sim.hardware.knee_of_servers``).
+    A server without the method fails here, naming it."""
+    return _ask_every_server(servers, GPU_NAME_METHOD, "partial.max_calls_per_server", resolve)
+
+
+def _ask_every_server(
+    servers: dict[str, Any], method: str, key: str, resolve: Callable[[list[Any]], list[Any]]
+) -> dict[str, Any]:
+    """Every server's answer to ``method``, by address; refuses, naming ``key``'s ``auto`` and the servers, when a
+    server lacks the method (verl-partial's patch did not reach it)."""
+    missing = [address for address, server in servers.items() if getattr(server, method, None) is None]
     if missing:
         raise RuntimeError(
-            f"partial.kv_tokens_per_server=auto cannot read the KV cache of servers {missing}: they have no "
-            f"{KV_CACHE_METHOD} (verl-partial's patch did not reach them); set partial.kv_tokens_per_server to the "
-            "cache size in tokens, or off"
+            f"{key}=auto cannot ask servers {missing}: they have no {method} (verl-partial's patch did not reach "
+            f"them); set {key} explicitly"
         )
-    sizes = resolve([getattr(server, KV_CACHE_METHOD).remote() for server in servers.values()])
-    if not sizes or any(size is None for size in sizes):
-        return None
-    return min(int(size) for size in sizes)
+    answers = resolve([getattr(server, method).remote() for server in servers.values()])
+    return dict(zip(servers, answers, strict=True))
 
 
 def engine_adapter(rollout_name: str) -> EngineAdapter:

@@ -28,7 +28,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from verl_partial.config.partial import PartialConfig
+from verl_partial.config.partial import CALLS_PER_SERVER_CEILING, PartialConfig
 from verl_partial.core.partial.finish import Finish, finished
 from verl_partial.core.partial.group_filter import GroupFilter, SampleScore
 
@@ -244,6 +244,7 @@ class RolloutPool(Generic[P]):
         group_filter: GroupFilter | None = None,
         engine_slots: int | None = None,
         server_kv_tokens: int | None = None,
+        server_call_knee: int | None = None,
     ) -> None:
         if group_size < 1 or batch_groups < 1 or response_length < 1:
             raise ValueError(
@@ -266,6 +267,9 @@ class RolloutPool(Generic[P]):
         # KV-cache tokens of the smallest server, as its engine reports it (``partial.kv_tokens_per_server=auto``;
         # None: no engine says); the glue sets it once the servers exist, like ``engine_slots``.
         self.server_kv_tokens = server_kv_tokens
+        # Compute knee of the servers' GPUs, in running requests (``partial.max_calls_per_server=auto``; None: no
+        # server runs on a GPU); the glue sets it from the GPU names the engines report, like ``server_kv_tokens``.
+        self.server_call_knee = server_call_knee
         # Launch order (``partial.schedule``): a sort key, ascending, under ``longest_first``; oldest group first under
         # ``fifo`` (an estimator may exist for ``length_window_steps`` alone, its priority is then not for launches).
         self.priority = priority if config.schedule == "longest_first" else None
@@ -336,17 +340,26 @@ class RolloutPool(Generic[P]):
         return max(0, min(bound, (self.engine_slots - self._open_samples) // self.group_size))
 
     def launch_cap(self) -> int:
-        """Most calls one server may have outstanding: ``partial.max_calls_per_server``, and no more than the server's
+        """Most calls one server may have outstanding: :meth:`calls_cap`, and no more than the server's
         KV cache (``partial.kv_tokens_per_server``) over the expected context of a sample (the mean over the samples
         finished so far in the run; until one has, the cache is not the limit). A server then holds about as much
         context as its cache, so it does not preempt and recompute the requests it admitted by their length at
         admission; the samples beyond the cap wait in the pool, where waiting costs nothing."""
-        cap = self.config.max_calls_per_server
+        cap = self.calls_cap()
         kv_tokens, finished = self.kv_tokens(), self.totals.finished_samples
         if kv_tokens is None or not finished:
             return cap
         expected_context = self.totals.finished_context_tokens / finished
         return max(1, min(cap, int(kv_tokens // expected_context)))
+
+    def calls_cap(self) -> int:
+        """``partial.max_calls_per_server``: the integer set, or under ``auto`` the servers' compute knee
+        (``server_call_knee``) up to ``CALLS_PER_SERVER_CEILING``, which is also the cap where no server has a GPU."""
+        setting = self.config.max_calls_per_server
+        if setting != "auto":
+            return int(setting)
+        knee = self.server_call_knee
+        return CALLS_PER_SERVER_CEILING if knee is None else max(1, min(knee, CALLS_PER_SERVER_CEILING))
 
     def kv_tokens(self) -> int | None:
         """The KV-cache tokens per server the launch cap divides: the configured size, the engines' under ``auto``,

@@ -592,6 +592,10 @@ class _Step(Generic[P]):
             "partial/server_load/calls_max": float(self.router.peak_calls),
             # Calls per server allowed at the step end (``partial.max_calls_per_server``, lowered by the KV cache).
             "partial/server_load/calls_cap": float(self.router.max_calls_per_server),
+            # The servers' compute knee ``max_calls_per_server=auto`` caps at; 0: no knee (an integer set, or no GPU).
+            "partial/server_load/calls_knee": float(
+                self.pool.server_call_knee or 0 if self.pool.config.max_calls_per_server == "auto" else 0
+            ),
             # The KV cache per server that cap divides (``partial.kv_tokens_per_server``); 0: not capped by the cache.
             "partial/server_load/kv_tokens": float(self.pool.kv_tokens() or 0),
             # Servers sitting this step out: their abort outlived the last step end and they had not reopened yet.

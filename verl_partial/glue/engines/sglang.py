@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 from types import ModuleType
 from typing import Any
 
@@ -144,14 +145,49 @@ def apply_sglang_server_fix(server_cls: type) -> type:
         capacities = [state["memory_usage"]["token_capacity"] for state in states]
         return None if not capacities or None in capacities else sum(int(tokens) for tokens in capacities)
 
+    async def gpu_name(self) -> str | None:
+        """The GPU this server's SGLang runs on (``partial.max_calls_per_server=auto``): device 0 of the
+        ``CUDA_VISIBLE_DEVICES`` verl's server sets to its workers' GPUs, named by NVML (:func:`nvml_gpu_name`)."""
+        return nvml_gpu_name(os.environ.get("CUDA_VISIBLE_DEVICES"))
+
     server_cls.take_back_requests = take_back_requests
     server_cls.progress_of_requests = progress_of_requests
     server_cls.kv_cache_tokens = kv_cache_tokens
+    server_cls.gpu_name = gpu_name
     for name in _QUIESCING:
         if hasattr(server_cls, name):
             setattr(server_cls, name, _after_cancelled_settle(getattr(server_cls, name)))
     setattr(server_cls, _PATCHED, True)
     return server_cls
+
+
+def nvml_gpu_name(visible_devices: str | None) -> str | None:
+    """The name NVML gives the first of ``visible_devices`` (``CUDA_VISIBLE_DEVICES``: indices or UUIDs; unset: device
+    0), as vLLM reports it too. Through NVML (``nvidia-ml-py``, an SGLang dependency) rather than torch, so the server
+    actor creates no CUDA context (SGLang's own ``get_device_name`` calls ``torch.cuda.get_device_name``). None where
+    NVML is missing or sees no such GPU (a CPU; AMD GPUs, which NVML does not see): ``auto`` then does not cap."""
+    first = (visible_devices if visible_devices is not None else "0").split(",")[0].strip()
+    if not first:
+        return None
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return None
+    try:
+        if first.startswith(("GPU-", "MIG-")):
+            handle = pynvml.nvmlDeviceGetHandleByUUID(first)
+        else:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(int(first))
+        name = pynvml.nvmlDeviceGetName(handle)
+    except pynvml.NVMLError:
+        return None
+    finally:
+        pynvml.nvmlShutdown()
+    return name.decode() if isinstance(name, bytes) else name
 
 
 def _after_cancelled_settle(method):

@@ -214,6 +214,17 @@ def _add_vllm_take_back(module: ModuleType) -> None:
         tokens = getattr(self.engine.vllm_config.cache_config, "kv_cache_size_tokens", None)
         return None if tokens is None else int(tokens) * int(self.config.data_parallel_size or 1)
 
+    async def gpu_name(self) -> str | None:
+        """The GPU this server's engine runs on, as vLLM names it (``partial.max_calls_per_server=auto``), or None on
+        vLLM's CPU build. vLLM reads the name through NVML on CUDA, so this actor creates no CUDA context
+        (vllm/platforms/cuda.py@0.24.0:755 "def get_device_name(cls, device_id: int = 0) -> str:" under
+        ``with_nvml_context``), and maps device 0 through the ``CUDA_VISIBLE_DEVICES`` verl's server sets to its
+        workers' GPUs (vllm/platforms/cuda.py@0.24.0:756 "physical_device_id = cls.device_id_to_physical_device_id")."""
+        from vllm.platforms import current_platform
+
+        return None if current_platform.is_cpu() else current_platform.get_device_name()
+
     server_cls.take_back_requests = take_back_requests
     server_cls.progress_of_requests = progress_of_requests
     server_cls.kv_cache_tokens = kv_cache_tokens
+    server_cls.gpu_name = gpu_name

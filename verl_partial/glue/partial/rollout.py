@@ -34,7 +34,7 @@ from verl.experimental.agent_loop.agent_loop import AgentLoopManager
 
 from verl_partial.config.job import group_filter_of
 from verl_partial.config.partial import STATE_FILE, PartialConfig
-from verl_partial.core.engines.adapter import check_take_back, engine_adapter, read_kv_cache_tokens
+from verl_partial.core.engines.adapter import check_take_back, engine_adapter, read_gpu_names, read_kv_cache_tokens
 from verl_partial.core.partial.group_filter import SampleScore
 from verl_partial.core.partial.length_batching import LengthBatcher
 from verl_partial.core.partial.on_policy import length_estimator
@@ -57,6 +57,7 @@ from verl_partial.glue.partial.agent_loop import FinishedSample, PartialAgentLoo
 from verl_partial.glue.partial.segment_backend import WORKER_MAX_CONCURRENCY, WorkerSegmentBackend, worker_of
 from verl_partial.glue.partial.step_loop import run_on_own_loop
 from verl_partial.patches import guard
+from verl_partial.sim.hardware import knee_of_servers
 
 if TYPE_CHECKING:
     from verl import DataProto
@@ -366,10 +367,32 @@ class PartialRolloutLoader:
             config, self.stream, batch_groups, self._expected_length
         )
         self.steps_in_epoch = 0
-        self.kv_cache_read = False
+        self.servers_read = False
 
     def __len__(self) -> int:
         return len(self.loader)
+
+    def _read_servers(self, servers: dict[str, Any]) -> None:
+        """What the ``auto`` settings take from the engines, once per run at the first step (the servers start after
+        the trainer that builds the pool): the KV cache (``partial.kv_tokens_per_server``) and the GPU's compute
+        knee (``partial.max_calls_per_server``), each logged with what it sets."""
+        if self.config.kv_tokens_per_server == "auto":
+            self.pool.server_kv_tokens = read_kv_cache_tokens(servers, ray.get)
+            logger.info(
+                "partial.kv_tokens_per_server=auto: %s",
+                "no engine reports its KV cache; calls are not capped by it"
+                if self.pool.server_kv_tokens is None
+                else f"{self.pool.server_kv_tokens:,} tokens of KV cache per server, as the engines report",
+            )
+        if self.config.max_calls_per_server == "auto":
+            names = read_gpu_names(servers, ray.get)
+            self.pool.server_call_knee = knee_of_servers(names)  # refuses a GPU it does not know, naming it
+            logger.info(
+                "partial.max_calls_per_server=auto: %s calls per server (GPUs %s)",
+                self.pool.calls_cap(),
+                sorted({str(name) for name in names.values()}),
+            )
+        self.servers_read = True
 
     def _expected_length(self, row: Row) -> float | None:
         """A prompt's expected length for ``partial.length_window_steps``; refuses a data set whose rows carry no
@@ -403,15 +426,8 @@ class PartialRolloutLoader:
         step = trainer.global_steps
         backend = manager.segment_backend(trainer.llm_server_manager)
         self.pool.engine_slots = engine_slots(manager.rollout_config, len(trainer.llm_server_manager.server_handles))
-        if self.config.kv_tokens_per_server == "auto" and not self.kv_cache_read:
-            self.pool.server_kv_tokens = read_kv_cache_tokens(server_handles(trainer.llm_server_manager), ray.get)
-            self.kv_cache_read = True
-            logger.info(
-                "partial.kv_tokens_per_server=auto: %s",
-                "no engine reports its KV cache; calls are not capped by it"
-                if self.pool.server_kv_tokens is None
-                else f"{self.pool.server_kv_tokens:,} tokens of KV cache per server, as the engines report",
-            )
+        if not self.servers_read:
+            self._read_servers(server_handles(trainer.llm_server_manager))
         backend.begin_step(self.pool)
         if self.batcher is not None:
             self.batcher.begin_step(step)
