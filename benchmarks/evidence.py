@@ -168,15 +168,20 @@ def _peer_goals(data: Mapping[str, Any]) -> str:
 
 
 def _peer_goals_measured(data: Mapping[str, Any]) -> str:
-    """The goals with their figures, then the whole step of ``default`` and ``default_knee`` against verl's
-    trainers (and, where our engine stamped them, their step cycles on the wall clock against v1) and every mode's
-    slot occupancy: a figure shown without its table."""
+    """The goals with their figures, then the whole step of ``default`` and its capped or uncapped variants against
+    verl's trainers (and, where our engine stamped them, their step cycles on the wall clock against v1) and every
+    mode's slot occupancy: a figure shown without its table."""
     from benchmarks.bench_peer import by_mode, goal_outcomes, ratios, speedup
 
     engine = _peer_engine(data)
     runs = by_mode(dict(data), engine)
     goals = "; ".join(outcome.measured() for outcome in goal_outcomes(dict(data), engine))
-    pairs = (("default", "v0_sync"), ("default", "v1_async_bound"), ("default_knee", "v1_async_bound"))
+    pairs = (
+        ("default", "v0_sync"),
+        ("default", "v1_async_bound"),
+        ("default_knee", "v1_async_bound"),
+        ("default", "default_uncapped"),
+    )
     shown = [(ours, base) for ours, base in pairs if ours in runs and base in runs]
     steps = ", ".join(f"`{ours}` vs {base} {speedup(runs[base], runs[ours], 'step')}" for ours, base in shown)
     # Our engine's stamps (bench_peer.stamped_seconds), where the runs carry them: one clock for every trainer, where
@@ -284,7 +289,16 @@ def _peer_goals_and_hand_over(data: Mapping[str, Any]) -> str:
         for run in kept_runs(dict(data), engine)
         if run["mode"] == "default"
     ]
-    return f"{_peer_goals_measured(data)}; `default`'s `partial/hand_over_s` {spread(hand_over, 0)} ms a step"
+    calls = max(
+        step["partial/server_load/calls_max"]
+        for run in kept_runs(dict(data), engine)
+        if run["mode"] == "default"
+        for step in run["steps"].values()
+    )
+    return (
+        f"{_peer_goals_measured(data)}; `default`'s `partial/hand_over_s` {spread(hand_over, 0)} ms a step; the most "
+        f"calls a server held {calls:.0f}"
+    )
 
 
 def _peer_tail(data: Mapping[str, Any]) -> str:
@@ -421,8 +435,8 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         id="peer-emulated-prefix",
         claim="verl's trainers on our CPU engine emulating 32B on one H20, prefill charged behind vLLM's "
-        "prefix cache; `default_knee`: "
-        "`partial.max_calls_per_server=28`, near the H20's compute knee; goals per trained token, paired "
+        "prefix cache; `default`: `partial.max_calls_per_server=auto`, the H20's compute knee (26 calls per server); "
+        "`default_uncapped`: 512, the default before `auto`; goals per trained token, paired "
         "by round; ceiling: the best any colocated schedule at staleness <= 1 reaches on `default`'s batches",
         source="peer_emulated_prefix.json",
         label="emulated",
@@ -432,7 +446,8 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         id="peer-emulated-h200",
         claim="as `peer-emulated-prefix` on an emulated H200 (32B; step time flat to 64 requests, knee 147), picked "
-        "before measuring, rows built during the step; wall clock: engine-stamped weight load to weight load",
+        "before measuring, rows built during the step, `default` at 512 calls per server; wall clock: "
+        "engine-stamped weight load to weight load",
         source="peer_emulated_h200.json",
         label="emulated",
         value=_peer_goals_and_hand_over,
@@ -499,8 +514,9 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="sim-fill-engine",
-        claim="`+partial=default` against itself with `fill_engine=false` and `kv_tokens_per_server=off`, and "
-        "against sync: the real scheduler over simulated vLLM servers, per trained token, seeds 0-2; "
+        claim="`+partial=default` (512 calls per server) against itself with `fill_engine=false` and "
+        "`kv_tokens_per_server=off`, and against sync: the real scheduler over simulated vLLM servers, per trained "
+        "token, seeds 0-2; "
         "7B on H100s (median 1,000, p99/p50 8) never filling (32 x 8, 2 servers) and queueing (64 x 8, "
         "1 server); 32B on H20s (33,569 KV tokens; median 2,048, cap 16,384; 64 x 16, 8 servers), preempting",
         source="sim_fill_engine.json",
@@ -509,9 +525,9 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="sim-knee",
-        claim="`+partial=default` with calls per server capped at the compute knee and half of it, against "
-        "uncapped and sync: the real scheduler, a simulated 256-slot vLLM server per GPU; 7B, 64 x 8 samples "
-        "queueing (median 1,000, p99/p50 8), seeds 0-2",
+        claim="`+partial=default` with calls per server capped at the compute knee (`auto`) and half of it, "
+        "against uncapped (512, the default before) and sync: the real scheduler, a simulated "
+        "256-slot vLLM server per GPU; 7B, 64 x 8 samples queueing (median 1,000, p99/p50 8), seeds 0-2",
         source="sim_knee.json",
         label="simulated",
         value=_sim_knee,
@@ -657,7 +673,8 @@ def render() -> str:
         "# Evidence",
         "",
         "Current figures, each once, written from `benchmarks/results/` by `python -m benchmarks.evidence` (do not",
-        "edit by hand), with each results file's date, command and commit.",
+        "edit by hand), with each results file's date, command and commit. Runs before `9d084cb` gave `default` 512",
+        "calls per server, not `auto`'s GPU knee.",
         "",
         "## Figures",
         "",

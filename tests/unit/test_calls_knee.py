@@ -30,6 +30,7 @@ from verl_partial.config.partial import CALLS_PER_SERVER_CEILING, PRESETS, Parti
 from verl_partial.core.engines.adapter import GPU_NAME_METHOD, read_gpu_names
 from verl_partial.core.partial.pool import RolloutPool
 from verl_partial.glue.engines.sglang import nvml_gpu_name
+from verl_partial.glue.partial.rollout import server_call_knee
 from verl_partial.sim.engine import ServerSpec
 from verl_partial.sim.hardware import GPUS, GPUS_BY_DEVICE_NAME, MODELS, compute_knee, knee_of_servers
 
@@ -196,3 +197,10 @@ def test_the_driver_reads_every_servers_gpu_and_refuses_a_server_without_the_met
     assert names == {"a": H20, "b": None} and knee_of_servers(names) == 26
     with pytest.raises(RuntimeError, match=rf"partial.max_calls_per_server=auto .*\['s1'\].* {GPU_NAME_METHOD}"):
         read_gpu_names({"s1": SimpleNamespace()}, resolve)
+
+
+def test_a_server_of_several_data_parallel_engines_gets_the_knee_of_each():
+    """The knee is one engine's batch; a verl replica of ``data_parallel_size`` engines batches that many."""
+    assert server_call_knee({"a": H20, "b": H20}, SimpleNamespace(data_parallel_size=2)) == 52
+    assert server_call_knee({"a": H20}, SimpleNamespace(data_parallel_size=None)) == 26
+    assert server_call_knee({"a": None}, SimpleNamespace(data_parallel_size=2)) is None

@@ -109,11 +109,10 @@ class PartialConfig:
     server hangs (grace, two take-backs, cancel, the abort's return and resume are each bounded by it)."""
 
     max_calls_per_server: int | CallsCapSource = "auto"
-    """Most outstanding generate calls per server. ``auto``: the compute knee of the servers' GPU, found by the name
-    each engine reports at the first step (26 on an H20, 147 on an H200, 210 on an H100; the partial-rollout guide,
-    "Where it gains"), at most 512; 512 without a GPU; a GPU the table does not know is refused by name. An integer is
-    the cap itself: keep it below the server actor's Ray ``max_concurrency`` (1000 in verl); set one for weight-only
-    quantised rollout, which halves the knee."""
+    """Most outstanding generate calls per server. ``auto``: the compute knee of the servers' GPU, by the name its
+    engine reports (26 on an H20, 147 on an H200, 210 on an H100; the partial-rollout guide, "Where it gains"), at
+    most 512; 512 without a GPU; an unknown GPU is refused. An integer is the cap itself, below verl's Ray
+    ``max_concurrency`` (1000); set one for weight-only quantised rollout (half the knee)."""
 
     kv_tokens_per_server: int | KvCacheSource = "auto"
     """Tokens of KV cache per server. A server gets at most this over the mean context (prompt + response) of the

@@ -594,7 +594,7 @@ class _Step(Generic[P]):
             "partial/server_load/calls_cap": float(self.router.max_calls_per_server),
             # The servers' compute knee ``max_calls_per_server=auto`` caps at; 0: no knee (an integer set, or no GPU).
             "partial/server_load/calls_knee": float(
-                self.pool.server_call_knee or 0 if self.pool.config.max_calls_per_server == "auto" else 0
+                (self.pool.server_call_knee or 0) if self.pool.config.max_calls_per_server == "auto" else 0
             ),
             # The KV cache per server that cap divides (``partial.kv_tokens_per_server``); 0: not capped by the cache.
             "partial/server_load/kv_tokens": float(self.pool.kv_tokens() or 0),

@@ -327,11 +327,23 @@ def server_handles(server_manager: Any) -> dict[str, Any]:
     return dict(zip(server_manager.server_addresses, server_manager.server_handles, strict=True))
 
 
+def engines_per_server(rollout_config: Any) -> int:
+    """Engines one server (a verl replica) runs, each with its own batch: ``rollout.data_parallel_size``."""
+    return int(getattr(rollout_config, "data_parallel_size", 1) or 1)
+
+
 def engine_slots(rollout_config: Any, servers: int) -> int:
-    """Samples the servers can run at once (``partial.fill_engine``): each server (a verl replica) runs
-    ``data_parallel_size`` engines of ``max_num_seqs`` slots; vLLM and SGLang both take ``rollout.max_num_seqs``
-    (verl passes it as vLLM's ``max_num_seqs`` and SGLang's ``max_running_requests``)."""
-    return servers * int(rollout_config.max_num_seqs) * int(getattr(rollout_config, "data_parallel_size", 1) or 1)
+    """Samples the servers can run at once (``partial.fill_engine``): each server runs :func:`engines_per_server` of
+    ``max_num_seqs`` slots; vLLM and SGLang both take ``rollout.max_num_seqs`` (verl passes it as vLLM's
+    ``max_num_seqs`` and SGLang's ``max_running_requests``)."""
+    return servers * int(rollout_config.max_num_seqs) * engines_per_server(rollout_config)
+
+
+def server_call_knee(device_names: dict[str, str | None], rollout_config: Any) -> int | None:
+    """Calls per server at the GPUs' compute knee (``partial.max_calls_per_server=auto``): the knee is each engine's
+    batch, and a server runs :func:`engines_per_server` of them. None where no server names a GPU."""
+    knee = knee_of_servers(device_names)  # refuses a GPU it does not know, naming it
+    return None if knee is None else knee * engines_per_server(rollout_config)
 
 
 def engine_counters(server_handles: list[Any]) -> list[dict[str, Any]] | None:
@@ -372,7 +384,7 @@ class PartialRolloutLoader:
     def __len__(self) -> int:
         return len(self.loader)
 
-    def _read_servers(self, servers: dict[str, Any]) -> None:
+    def _read_servers(self, servers: dict[str, Any], rollout_config: Any) -> None:
         """What the ``auto`` settings take from the engines, once per run at the first step (the servers start after
         the trainer that builds the pool): the KV cache (``partial.kv_tokens_per_server``) and the GPU's compute
         knee (``partial.max_calls_per_server``), each logged with what it sets."""
@@ -386,7 +398,7 @@ class PartialRolloutLoader:
             )
         if self.config.max_calls_per_server == "auto":
             names = read_gpu_names(servers, ray.get)
-            self.pool.server_call_knee = knee_of_servers(names)  # refuses a GPU it does not know, naming it
+            self.pool.server_call_knee = server_call_knee(names, rollout_config)
             logger.info(
                 "partial.max_calls_per_server=auto: %s calls per server (GPUs %s)",
                 self.pool.calls_cap(),
@@ -427,7 +439,7 @@ class PartialRolloutLoader:
         backend = manager.segment_backend(trainer.llm_server_manager)
         self.pool.engine_slots = engine_slots(manager.rollout_config, len(trainer.llm_server_manager.server_handles))
         if not self.servers_read:
-            self._read_servers(server_handles(trainer.llm_server_manager))
+            self._read_servers(server_handles(trainer.llm_server_manager), manager.rollout_config)
         backend.begin_step(self.pool)
         if self.batcher is not None:
             self.batcher.begin_step(step)
