@@ -22,7 +22,7 @@ from omegaconf import OmegaConf
 from verl_partial.config import balance as balance_module
 from verl_partial.config import partial as partial_module
 from verl_partial.config.job import balance_config, partial_config, validate_root_config
-from verl_partial.config.partial import PartialConfig
+from verl_partial.config.partial import CALLS_PER_SERVER_CEILING, PartialConfig
 from verl_partial.patches import apply, guard, imports
 
 REPO = Path(__file__).resolve().parents[2]
@@ -240,8 +240,10 @@ def test_simulator_modes_are_the_presets_under_their_names():
     for name, preset in partial_module.PRESETS.items():
         assert modes[name] == dataclasses.replace(preset, request_timeout_s=modes[name].request_timeout_s)
     # sync is restart without extra groups: a step waits for its slowest sample, nothing is parked or carried, and
-    # every request goes out at once, whatever the servers' KV cache holds.
-    assert modes["sync"] == dataclasses.replace(modes["restart"], extra_groups=0, kv_tokens_per_server="off")
+    # every request goes out at once, whatever the servers' KV cache and compute knee.
+    assert modes["sync"] == dataclasses.replace(
+        modes["restart"], extra_groups=0, kv_tokens_per_server="off", max_calls_per_server=CALLS_PER_SERVER_CEILING
+    )
     assert set(RENAMED_MODES.values()) <= set(modes) and not set(RENAMED_MODES) & set(modes)
 
 
