@@ -164,7 +164,8 @@ def apply_sglang_server_fix(server_cls: type) -> type:
 def nvml_gpu_name(visible_devices: str | None) -> str | None:
     """The name NVML gives the first of ``visible_devices`` (``CUDA_VISIBLE_DEVICES``: indices or UUIDs; unset: device
     0), as vLLM reports it too. Through NVML (``nvidia-ml-py``, an SGLang dependency) rather than torch, so the server
-    actor creates no CUDA context (SGLang's own ``get_device_name`` calls ``torch.cuda.get_device_name``). None where
+    actor creates no CUDA context: SGLang's own ``get_device_name`` initialises CUDA
+    (sglang/srt/utils/common.py@0.5.12:1931 "return torch.cuda.get_device_name(device_id)"). None where
     NVML is missing or sees no such GPU (a CPU; AMD GPUs, which NVML does not see): ``auto`` then does not cap."""
     first = (visible_devices if visible_devices is not None else "0").split(",")[0].strip()
     if not first:
