@@ -125,7 +125,7 @@ def test_the_default_caps_calls_at_the_kv_cache_vllm_reports(demo_assets, tmp_pa
     the KV cache size it logs, the driver reads it from verl's server, and each server then gets at most that many
     tokens over the expected context of a sample (between the longest context and one token past the shortest
     prompt): far fewer calls than the 16+ the same run sends with the cap off (the queued run above). Whole groups,
-    each once."""
+    each once. The GPU-name read (``max_calls_per_server=auto``) goes through the same server and finds none."""
     assets = dataclasses.replace(demo_assets, max_response_length=QUEUE_RESPONSE_LENGTH)
     overrides = [o for o in _queue_overrides(assets, tmp_path, "cpu_vllm") if "kv_tokens_per_server" not in o]
     run = run_trainer(assets, tmp_path, steps=2, partial="default", backend="cpu_vllm", extra=overrides)
@@ -135,6 +135,8 @@ def test_the_default_caps_calls_at_the_kv_cache_vllm_reports(demo_assets, tmp_pa
     max_model_len = assets.max_prompt_length + QUEUE_RESPONSE_LENGTH
     kv_tokens = KV_BLOCKS // -(-max_model_len // 128) * max_model_len
     assert {run.metric(step, "partial/server_load/kv_tokens") for step in (1, 2)} == {kv_tokens}
+    # ``max_calls_per_server=auto``: verl's vLLM server, asked through Ray, names no GPU on vLLM's CPU build, so no knee
+    assert {run.metric(step, "partial/server_load/calls_knee") for step in (1, 2)} == {0}
     samples = [s for step in (1, 2) for s in torch.load(tmp_path / "dump" / f"step_{step}.pt")["samples"]]
     shortest = 1 + min(len(sample["prompt_ids"]) for sample in samples)
     longest = max_model_len
