@@ -862,17 +862,26 @@ def verdict(values: list[float], goal: float | None, unit: str = "x", restate: b
     return prefix + ("not met" if max(values) < goal else "met in some rounds only: not met")
 
 
-def best_ratios(runs: dict[str, list[RunFigures]], against: str, figure: str) -> list[float]:
-    """Round by round, the best ratio over ``against`` of any of our modes whose preset bounds staleness at <= 1."""
+def best_by_round(
+    runs: dict[str, list[RunFigures]], against: str, pair: Callable[[list[RunFigures], list[RunFigures]], list[float]]
+) -> list[float]:
+    """Round by round, the highest ``pair`` figure over ``against`` of any of our modes whose preset bounds staleness
+    at <= 1 (``pair``: :func:`ratios` for what they reached, :func:`ceiling_ratios` for what any schedule could reach
+    on their batches)."""
     bounded = [name for name, mode in MODES.items() if mode.partial and PRESETS[mode.partial].max_staleness <= 1]
     best: dict[int, float] = {}
     base = {run.round: run for run in runs.get(against, [])}
     for name in bounded:
         for run in runs.get(name, []):
             if run.round in base:
-                ratio = ratios([base[run.round]], [run], figure)[0]
-                best[run.round] = max(best.get(run.round, 0.0), ratio)
+                for value in pair([base[run.round]], [run]):
+                    best[run.round] = max(best.get(run.round, 0.0), value)
     return [best[round_] for round_ in sorted(best)]
+
+
+def best_ratios(runs: dict[str, list[RunFigures]], against: str, figure: str) -> list[float]:
+    """Round by round, the best ratio over ``against`` of any of our modes whose preset bounds staleness at <= 1."""
+    return best_by_round(runs, against, lambda base, run: ratios(base, run, figure))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -886,8 +895,9 @@ class GoalOutcome:
     figure: str
     goal: float
     values: tuple[float, ...]
-    # Round by round, the most any colocated schedule at staleness <= 1 could reach training ``ours``'s batches
-    # (emulated GPU only: the floor needs the engine's step-cost model; a goal above every round's is out of reach).
+    # Round by round, the most any colocated schedule at staleness <= 1 could reach training ``ours``'s batches (for
+    # BEST, the batches of whichever of our bounded modes allows the most) (emulated GPU only: the floor needs the
+    # engine's step-cost model; a goal above every round's is out of reach).
     ceiling: tuple[float, ...] = ()
 
     @property
@@ -956,7 +966,8 @@ def goal_outcomes(results: dict[str, Any], engine: str) -> list[GoalOutcome]:
             values = best_ratios(runs, against, figure) if ours == BEST else ratios(
                 runs.get(against, []), mine, figure)  # fmt: skip
             if figure == "rollout":  # the floor bounds the rollout phase only
-                ceiling = ceiling_ratios(runs.get(against, []), mine)
+                ceiling = best_by_round(runs, against, ceiling_ratios) if ours == BEST else ceiling_ratios(
+                    runs.get(against, []), mine)  # fmt: skip
         outcomes.append(GoalOutcome(ours, against, figure, goal, tuple(values), tuple(ceiling)))
     return outcomes
 
@@ -996,7 +1007,7 @@ def header(results: dict[str, Any], command: bool = True) -> str:
     machine_text = f"{m['cpu']}, {m['cores']} cores"  # the page dates each figure already
     run = f"Run {m['date']} on {machine_text}{software}" if command else machine_text
     return (
-        f"{run}. Engines: {engines}. Random Qwen2 ({results['parameters'] / 1e6:.1f} M parameters, "
+        f"{run}. Engines: {engines}. Random Qwen2 ({results['parameters'] / 1e6:.1f}M parameters, "
         f"fp32); {wl['prompts']} x {wl['n']} samples a step, {wl['slots']} engine slots; lengths lognormal "
         f"(median {wl['lengths']['median']:g}, sigma {wl['lengths']['sigma']:g}, cap {wl['lengths']['cap']}), imposed, "
         f"{_length_history(results)}. "

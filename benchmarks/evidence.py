@@ -434,10 +434,10 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="peer-emulated-prefix",
-        claim="verl's trainers on our CPU engine emulating 32B on one H20, prefill charged behind vLLM's "
-        "prefix cache; `default`: `partial.max_calls_per_server=auto`, the H20's compute knee (26 calls per server); "
-        "`default_uncapped`: 512, the default before `auto`; goals per trained token, paired "
-        "by round; ceiling: the best any colocated schedule at staleness <= 1 reaches on `default`'s batches",
+        claim="verl's trainers on our CPU engine emulating 32B on one H20 behind vLLM's prefix cache; `default`: "
+        "`partial.max_calls_per_server=auto`, the H20's knee (26 calls per server); `default_uncapped`: 512, the old "
+        "default; goals per trained token, paired by round; ceiling: the most any colocated schedule at staleness "
+        "<= 1 reaches on our presets' batches",
         source="peer_emulated_prefix.json",
         label="emulated",
         value=_peer_goals_measured,
@@ -445,8 +445,8 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="peer-emulated-h200",
-        claim="as `peer-emulated-prefix` on an emulated H200 (32B; step time flat to 64 requests, knee 147), picked "
-        "before measuring, rows built during the step, `default` at 512 calls per server; wall clock: "
+        claim="as `peer-emulated-prefix`, emulating an H200 (32B; step time flat to 64 requests, knee 147), fixed "
+        "beforehand, rows built while generating, `default` at 512 calls per server; wall clock: "
         "engine-stamped weight load to weight load",
         source="peer_emulated_h200.json",
         label="emulated",
@@ -526,7 +526,7 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         id="sim-knee",
         claim="`+partial=default` with calls per server capped at the compute knee (`auto`) and half of it, "
-        "against uncapped (512, the default before) and sync: the real scheduler, a simulated "
+        "against uncapped (512, the old default) and sync: the real scheduler, a simulated "
         "256-slot vLLM server per GPU; 7B, 64 x 8 samples queueing (median 1,000, p99/p50 8), seeds 0-2",
         source="sim_knee.json",
         label="simulated",

@@ -245,6 +245,7 @@ def test_ceilings_bound_every_schedule_and_call_a_goal_above_them_out_of_reach(p
     assert min(vs_sync.ceiling) > vs_sync.goal and max(occupancy.ceiling) < occupancy.goal
     assert vs_sync.verdict().startswith("goal 1.8x not met; ceiling at staleness <= 1 ")
     assert "not met; out of reach, ceiling 0." in occupancy.short()
+    # Our best: no v1 run, so nothing to pair (its ceiling needs v1's phase, as its ratio does).
     assert by_goal[peer.BEST, "v1_async_bound", "rollout"].ceiling == ()
     measured = {**results, "engines": {"cpu": {"label": "emulated"}}}
     assert all(not o.ceiling for o in peer.goal_outcomes(measured, "cpu"))
@@ -279,6 +280,31 @@ def test_the_best_of_our_bounded_modes_is_taken_round_by_round(peer: ModuleType)
         "kimi": [peer.figures(_run("kimi", 0.1, 4.0, 50.0, r), wl) for r in (0, 1)],  # staleness 8: not counted
     }
     assert peer.best_ratios(runs, "v1_async_bound", "rollout") == pytest.approx([4.0, 2.0])
+
+
+def test_our_best_carries_the_highest_ceiling_of_our_bounded_modes(peer: ModuleType) -> None:
+    """The best-preset goal is out of reach only where no schedule at staleness <= 1 reaches it on the batches of
+    any of our bounded presets: its ceiling is, round by round, the highest of theirs (kimi, staleness 8, is not
+    counted). A goal between two presets' ceilings is missed, not out of reach."""
+    wl = peer.Workload(steps=3)
+
+    def run(mode: str, gen: float, longest: int, round_: int) -> dict:
+        return _emulated(_run(mode, gen, 25.0, 50.0, round_, **{"response_length/max": longest}), 1000, 0)
+
+    runs = [run("v1_async_bound", 30.0, 1000, r) for r in range(3)]
+    runs += [run("default", 20.0, 1000, r) for r in range(3)]  # the longer tail: the lower ceiling
+    runs += [run("default_extra", 25.0, 400, r) for r in range(3)]
+    runs += [run("kimi", 1.0, 50, r) for r in range(3)]
+    results = {"workload": dataclasses.asdict(wl), "engines": EMULATED, "runs": runs}
+    by_mode = peer.by_mode(results, "cpu")
+    per_mode = {name: peer.ceiling_ratios(by_mode["v1_async_bound"], by_mode[name]) for name in by_mode}
+    assert per_mode["default"][0] < per_mode["default_extra"][0] < per_mode["kimi"][0]
+    best = next(o for o in peer.goal_outcomes(results, "cpu") if o.ours == peer.BEST)
+    assert best.ceiling == pytest.approx(per_mode["default_extra"])
+    goal = dataclasses.replace(best, goal=(per_mode["default"][0] + per_mode["default_extra"][0]) / 2)
+    assert "out of reach" not in goal.short()
+    above = dataclasses.replace(best, goal=1.01 * max(best.ceiling))
+    assert "out of reach" in above.short()
 
 
 def test_fixed_costs_are_shares_of_the_phase_they_sit_in(peer: ModuleType) -> None:
