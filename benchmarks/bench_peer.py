@@ -1025,7 +1025,7 @@ def header(results: dict[str, Any], command: bool = True) -> str:
 def _length_history(results: dict[str, Any]) -> str:
     """What an earlier epoch tells about a sample's length, in words, for the header."""
     wl = workload_of(results)
-    epoch = f"{wl.train_rows} prompts ({wl.train_rows // wl.prompts} steps an epoch)"
+    epoch = f"{wl.train_rows} prompts"
     seeds = "; round r draws the lengths of seed r" if results.get("seeds_by_round") else ""
     if wl.lengths.per_epoch:
         return (f"drawn per prompt, sample and epoch with correlation {wl.lengths.epoch_corr:g} between epochs (log "

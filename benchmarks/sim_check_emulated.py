@@ -42,6 +42,7 @@ from benchmarks.bench_peer import (
     workload_of,
 )
 from verl_partial.config.partial import CALLS_PER_SERVER_CEILING, PRESETS, PartialConfig
+from verl_partial.sim.engine import ServerSpec
 from verl_partial.sim.run import ceiling, mode_configs, simulate
 from verl_partial.sim.workload import Workload as SimWorkload
 
@@ -132,39 +133,57 @@ def simulated_engine(run: Any) -> dict[str, float]:
 Prediction = tuple[dict[str, list[float]], list[float], dict[str, list[dict[str, float]]]]
 
 
+def _server(results: dict[str, Any], engine: str, prefix_cache: bool) -> ServerSpec:
+    """The emulated GPU's simulated server at the benchmark's slots."""
+    gpu = emulated_gpu(results, engine)
+    if gpu is None:
+        raise SystemExit(f"{engine}: the results hold no emulated GPU override; nothing to simulate")
+    return dataclasses.replace(gpu.server_spec(workload_of(results).slots), prefix_cache=prefix_cache)
+
+
+def _simulate(
+    results: dict[str, Any], config: PartialConfig, spec: ServerSpec, prompt_len: int, seed: int, **options: Any
+) -> tuple[Any, Any, SimWorkload]:
+    """One seed of the benchmark's workload under ``config``: the whole simulated run, its measured steps, and the
+    simulated workload (the peer benchmark's batch, samples, slots and lognormal lengths; ``options`` go to
+    ``simulate``)."""
+    wl = workload_of(results)
+    sim_wl = SimWorkload(
+        batch=wl.prompts,
+        n=wl.n,
+        p50=wl.lengths.median,
+        p99_over_p50=math.exp(Z99 * wl.lengths.sigma),
+        response_length=wl.lengths.cap,
+        prompt_len=prompt_len,
+        prompts=wl.train_rows,
+        prompt_share=0.0,
+        seed=seed,
+    )
+    whole = simulate(config, sim_wl, spec, servers=1, steps=wl.steps, **options)
+    return whole, whole.steady(wl.first_measured - 1), sim_wl
+
+
+def _ms_per_token(run: Any) -> float:
+    return 1e3 * sum(run.seconds) / sum(run.tokens_trained)
+
+
 def predict(results: dict[str, Any], engine: str, prompt_len: int, prefix_cache: bool = True) -> Prediction:
     """Rollout ms per trained token per mode and seed, over the benchmark's measured steps; and per seed, the highest
     rollout speed-up over sync that any colocated schedule at staleness <= 1 could reach on the batches ``default``
     trained (``verl_partial.sim.run.ceiling``: the bound covers those batch compositions, not regrouped ones); and per
     mode, :data:`ENGINE_FIGURES` of each seed's whole simulated run. ``prefix_cache``: the simulated servers'
     (``ServerSpec.prefix_cache``)."""
-    wl = workload_of(results)
-    gpu = emulated_gpu(results, engine)
-    if gpu is None:
-        raise SystemExit(f"{engine}: the results hold no emulated GPU override; nothing to simulate")
-    spec = dataclasses.replace(gpu.server_spec(wl.slots), prefix_cache=prefix_cache)
+    spec = _server(results, engine, prefix_cache)
     out: dict[str, list[float]] = {}
     engines: dict[str, list[dict[str, float]]] = {}
     runs: dict[tuple[str, int], Any] = {}
-    for name, config in sim_configs(wl.prompts).items():
+    for name, config in sim_configs(workload_of(results).prompts).items():
         if name not in {run["mode"] for run in results["runs"]}:
             continue
         config = as_run(config, results, name)
         for seed in SEEDS:
-            sim_wl = SimWorkload(
-                batch=wl.prompts,
-                n=wl.n,
-                p50=wl.lengths.median,
-                p99_over_p50=math.exp(Z99 * wl.lengths.sigma),
-                response_length=wl.lengths.cap,
-                prompt_len=prompt_len,
-                prompts=wl.train_rows,
-                prompt_share=0.0,
-                seed=seed,
-            )
-            whole = simulate(config, sim_wl, spec, servers=1, steps=wl.steps)
-            run = whole.steady(wl.first_measured - 1)
-            out.setdefault(name, []).append(1e3 * sum(run.seconds) / sum(run.tokens_trained))
+            whole, run, sim_wl = _simulate(results, config, spec, prompt_len, seed)
+            out.setdefault(name, []).append(_ms_per_token(run))
             runs[name, seed] = (run, sim_wl)
             engines.setdefault(name, []).append(simulated_engine(whole))
     bounds = [
@@ -173,6 +192,22 @@ def predict(results: dict[str, Any], engine: str, prompt_len: int, prefix_cache:
         if ("v0_sync", seed) in runs and ("default", seed) in runs
     ]
     return out, bounds, engines
+
+
+def clairvoyant_gain(results: dict[str, Any], engine: str, prompt_len: int, prefix_cache: bool) -> list[float]:
+    """Per seed, ``default``'s simulated rollout ms per trained token over the same run's with launches ordered by
+    the answers' true remaining lengths, longest first (``simulate(clairvoyant=True)``): what launch order alone
+    could add, knowing what no scheduler knows. 1.0 where no sample ever waits to be launched (the engines hold
+    every sample admitted). Empty where the benchmark ran no ``default``."""
+    if "default" not in {run["mode"] for run in results["runs"]}:
+        return []
+    spec = _server(results, engine, prefix_cache)
+    config = as_run(sim_configs(workload_of(results).prompts)["default"], results, "default")
+    gains = []
+    for seed in SEEDS:
+        fifo = _ms_per_token(_simulate(results, config, spec, prompt_len, seed)[1])
+        gains.append(fifo / _ms_per_token(_simulate(results, config, spec, prompt_len, seed, clairvoyant=True)[1]))
+    return gains
 
 
 def busy_share(results: dict[str, Any], engine: str, mode: str) -> list[float]:
@@ -224,6 +259,7 @@ def compare(results: dict[str, Any], engine: str, prompt_len: int) -> dict[str, 
         "seeds": list(SEEDS),
         "rows": rows,
         "ceiling_vs_sync": bounds,
+        "clairvoyant_launch_gain": clairvoyant_gain(results, engine, prompt_len, prefix_cache=cached),
     }
 
 

@@ -90,3 +90,26 @@ def test_the_table_gives_the_like_for_like_miss_and_the_prefix_cache_miss_each_f
     line = next(line for line in check.table({"rows": [row]}).splitlines() if line.startswith("| `default`"))
     cells = [cell.strip() for cell in line.strip("|").split("|")]
     assert cells[2:5] == ["1.90 (1.90-1.90)", "-5%", "-20% (over 10 %)"]
+
+
+def test_the_clairvoyant_gain_is_what_launch_order_alone_adds_to_default(
+    check: ModuleType, bench_module: Callable[[str], ModuleType]
+) -> None:
+    """Per seed, ``default``'s simulated phase per trained token over the clairvoyant run's: above 1 on an H20, where
+    ``auto`` caps calls at 26 and samples wait in the pool to be launched; exactly 1 on an H200, whose knee (147) is
+    above the 64 samples the slots admit, so nothing waits; nothing without a ``default`` run."""
+    peer = bench_module("bench_peer")
+
+    def results(gpu: str, mode: str = "default") -> dict:
+        knee = {"partial/server_load/calls_knee": 1.0}  # the runs had ``auto``
+        override = f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_PARTIAL_EMULATE_GPU={gpu}/Qwen2.5-32B"
+        return {
+            "workload": dataclasses.asdict(peer.Workload(steps=4)),
+            "runs": [{"mode": mode, "steps": {"1": knee}}],
+            "engines": {"cpu": {"label": "emulated", "overrides": [override]}},
+        }
+
+    h20 = check.clairvoyant_gain(results("H20"), "cpu", 31, prefix_cache=True)
+    assert len(h20) == len(check.SEEDS) and min(h20) >= 1.0 and max(h20) > 1.0
+    assert check.clairvoyant_gain(results("H200-SXM"), "cpu", 31, prefix_cache=True) == [1.0] * len(check.SEEDS)
+    assert check.clairvoyant_gain(results("H20", mode="v0_sync"), "cpu", 31, prefix_cache=True) == []

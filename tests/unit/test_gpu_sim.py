@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import selectors
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 
 from verl_partial.core.engines.prefix_cache import BLOCK_TOKENS
 from verl_partial.core.partial.finish import Finish
+from verl_partial.sim.backend import SimBackend
 from verl_partial.sim.cli import main
 from verl_partial.sim.clock import run_virtual
 from verl_partial.sim.engine import ServerSpec, SimServer, lognormal_sigma
@@ -296,3 +298,44 @@ def test_the_partial_rollout_guides_compute_knees_are_the_simulators(model: Mode
         return found
 
     assert (knee(H20), knee(H100_SXM)) == (int(stated.group(1)), int(stated.group(2)))
+
+
+def test_a_clairvoyant_launch_order_starts_the_longest_remaining_answer_first(monkeypatch):
+    """``simulate(clairvoyant=True)``: the what-if that bounds what launch order could add. With one call at a time,
+    every launch of a step is the longest true remaining answer among those left (fifo launches by group and
+    index); the true remaining length is the drawn answer less what the sample holds."""
+    spec = ServerSpec(H100_SXM, QWEN25_7B)
+    load = Workload(batch=2, n=4, p50=200, p99_over_p50=20, response_length=8_192, prompts=8)
+    serial = dataclasses.replace(mode_configs(load.batch)["sync"], max_calls_per_server=1)
+    runs: list[list[tuple[int, int]]] = []  # per run, (true remaining, tokens held) of each launch in order
+    original = SimBackend.launch
+
+    def record(self, wave):
+        runs[-1] += [
+            (self.remaining(group, r.ref.index), len(group.samples[r.ref.index].token_ids)) for group, r in wave
+        ]
+        return original(self, wave)
+
+    monkeypatch.setattr(SimBackend, "launch", record)
+    for clairvoyant in (False, True):
+        runs.append([])
+        simulate(serial, load, spec, servers=1, steps=1, clairvoyant=clairvoyant)
+    fifo, launched = runs
+    truth = [
+        min(load.length(prompt, f"p{prompt}@e0", i, 0), load.response_length) for prompt in (0, 1) for i in range(4)
+    ]
+    assert truth != sorted(truth, reverse=True)
+    assert all(held == 0 for _, held in launched) and len(launched) == 8
+    assert [remaining for remaining, _ in launched] == sorted(truth, reverse=True)
+    assert [remaining for remaining, _ in fifo] == truth
+
+
+def test_a_clairvoyant_launch_order_changes_nothing_where_no_sample_waits():
+    """Where the engines hold every sample admitted (``fill_engine`` admits no more than their slots), nothing is
+    ever queued to be ordered: the clairvoyant run is the fifo run."""
+    spec = ServerSpec(H100_SXM, QWEN25_7B)
+    load = Workload(batch=4, n=4, p50=200, p99_over_p50=20, response_length=8_192, prompts=32)
+    default = mode_configs(load.batch)["default"]
+    fifo = simulate(default, load, spec, servers=1, steps=4)
+    clairvoyant = simulate(default, load, spec, servers=1, steps=4, clairvoyant=True)
+    assert fifo.seconds == clairvoyant.seconds and fifo.tokens_trained == clairvoyant.tokens_trained

@@ -46,6 +46,14 @@ class SimBackend:
         self._attempts[(key, index)] = (attempt, prefix_len)
         return self.workload.length(prompt, key, index, attempt)
 
+    def remaining(self, group: GroupState[int], index: int) -> int:
+        """Tokens the sample has still to generate (its answer's length, drawn already, less what it holds): what a
+        clairvoyant scheduler would know (``simulate(clairvoyant=True)``); a restarted sample's next attempt counts
+        from its first segment."""
+        attempt, _ = self._attempts.get((group.key, index), (0, 0))
+        length = min(self.workload.length(group.prompt, group.key, index, attempt), self.workload.response_length)
+        return max(0, length - len(group.samples[index].token_ids))
+
     def launch(self, wave: list[tuple[GroupState[int], SegmentRequest]]) -> list[asyncio.Future[SegmentResult]]:
         loop = asyncio.get_running_loop()
         futures = []

@@ -16,7 +16,7 @@ import numpy as np
 from verl_partial.config.partial import CALLS_PER_SERVER_CEILING, PRESETS, PartialConfig
 from verl_partial.core.partial.length_batching import LengthBatcher
 from verl_partial.core.partial.on_policy import length_estimator
-from verl_partial.core.partial.pool import RolloutPool
+from verl_partial.core.partial.pool import GroupState, RolloutPool, SampleState
 from verl_partial.core.partial.scheduler import run_step
 from verl_partial.sim.backend import SimBackend
 from verl_partial.sim.bound import StepCostFloor, phase_floor
@@ -101,14 +101,26 @@ def simulate(
     spec: ServerSpec,
     servers: int,
     steps: int,
+    clairvoyant: bool = False,
 ) -> ModeRun:
     """``steps`` rollout phases of ``config`` on ``servers`` simulated servers, in virtual time.
 
     ``partial.schedule=longest_first`` orders launches, and ``partial.length_window_steps`` composes batches, with a
     :class:`~verl_partial.core.partial.on_policy.LengthEstimator` over the prompts' history (prompt identity = its
     index in the workload's data set) and their finished siblings.
+
+    ``clairvoyant``: launches go longest remaining answer first by the answers' true lengths, which no scheduler
+    knows: a what-if that bounds what launch order alone could add to ``config`` (``partial.schedule`` is then
+    ``longest_first`` with that order).
     """
     estimator = length_estimator(config, identity=lambda prompt: prompt)
+    backend = SimBackend(spec, servers, workload)
+    priority = estimator.priority if estimator else None
+    if clairvoyant:
+        config = dataclasses.replace(config, schedule="longest_first")
+
+        def priority(group: GroupState[int], sample: SampleState) -> float:
+            return -backend.remaining(group, next(i for i, s in enumerate(group.samples) if s is sample))
 
     async def main() -> ModeRun:
         pool: RolloutPool[int] = RolloutPool(
@@ -116,12 +128,11 @@ def simulate(
             group_size=workload.n,
             batch_groups=workload.batch,
             response_length=workload.response_length,
-            priority=estimator.priority if estimator else None,
+            priority=priority,
             engine_slots=servers * spec.max_num_seqs,
             server_kv_tokens=spec.kv_capacity_tokens,  # what each simulated server reports under ``auto``
             server_call_knee=spec.compute_knee,  # the knee of the GPU each simulated server names under ``auto``
         )
-        backend = SimBackend(spec, servers, workload)
         source = PromptCycle(workload)
         batcher = estimator and LengthBatcher.for_config(config, source, workload.batch, estimator.prompt_history)
         record = ModeRun()
