@@ -8,9 +8,10 @@ The emulated engine (``bench_peer.py`` on our CPU engine with ``VERL_PARTIAL_EMU
 simulated engine's batching and what the simulator leaves out (the trainer's real-clock costs inside ``timing_s/gen``:
 Ray calls, the step end, re-prefill on a CPU), not the GPU curve. The simulator's parameters are frozen here, before
 the comparison, and nothing is fitted: the workload is the peer benchmark's (its batch, samples, slots, lognormal
-lengths with the same median, sigma and cap, independent per sample), the step-time model is the emulated GPU's, and
-each mode is the same ``PartialConfig`` the trainer ran. Seeds vary the simulated length draws (the benchmark's draws
-are fixed by its hash); the prediction is given over seeds as mean (min-max). v1 modes have no simulator model.
+lengths with the same median, sigma and cap, independent per sample, correlated between epochs as the benchmark drew
+them), the step-time model is the emulated GPU's, and each mode is the same ``PartialConfig`` the trainer ran. Seeds
+vary the simulated length draws (the benchmark's draws are fixed by its hash); the prediction is given over seeds as
+mean (min-max). v1 modes have no simulator model.
 
 Each mode is predicted twice: with vLLM's prefix cache (a group's samples share their prompt's whole cached blocks) and
 without it (every request prefills its whole context). The like-for-like check is the one the emulated engine ran:
@@ -66,7 +67,7 @@ def sim_configs(batch: int) -> dict[str, PartialConfig]:
         "default_kv_off": dataclasses.replace(default, kv_tokens_per_server="off"),
         "default_knee": dataclasses.replace(default, max_calls_per_server=KNEE_CALLS),
         "default_uncapped": dataclasses.replace(default, max_calls_per_server=CALLS_PER_SERVER_CEILING),
-        **{name: modes[name] for name in ("on_policy", "kimi", "restart") if name in PRESETS},
+        **{name: modes[name] for name in ("on_policy", "kimi", "restart", "tail", "tail_on_policy") if name in PRESETS},
     }
 
 
@@ -148,6 +149,9 @@ def _simulate(
     simulated workload (the peer benchmark's batch, samples, slots and lognormal lengths; ``options`` go to
     ``simulate``)."""
     wl = workload_of(results)
+    # Within one epoch every correlation gives the same lengths' law; runs that stay in one keep the draws they were
+    # first checked with (``sample_epoch_corr=0``), runs that span epochs get the benchmark's correlation.
+    spans_epochs = wl.steps * wl.prompts > wl.train_rows
     sim_wl = SimWorkload(
         batch=wl.prompts,
         n=wl.n,
@@ -158,6 +162,7 @@ def _simulate(
         prompts=wl.train_rows,
         prompt_share=0.0,
         seed=seed,
+        sample_epoch_corr=wl.lengths.epoch_corr if spans_epochs else 0.0,
     )
     whole = simulate(config, sim_wl, spec, servers=1, steps=wl.steps, **options)
     return whole, whole.steady(wl.first_measured - 1), sim_wl

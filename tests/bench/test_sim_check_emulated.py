@@ -23,6 +23,8 @@ def test_each_mode_is_the_config_the_trainer_ran(check: ModuleType) -> None:
     assert modes["default_by_groups"] == dataclasses.replace(PRESETS["default"], fill_engine=False, **same)
     assert modes["default_extra"] == dataclasses.replace(PRESETS["default"], refill=False, extra_groups=16, **same)
     assert modes["default_kv_off"] == dataclasses.replace(PRESETS["default"], kv_tokens_per_server="off", **same)
+    for preset in ("tail", "tail_on_policy"):  # length-aware batches, simulated with the benchmark's epoch history
+        assert modes[preset] == dataclasses.replace(PRESETS[preset], **same)
     # verl's sync: a step waits for its slowest sample, nothing admitted ahead or parked, every request sent at once
     sync = modes["v0_sync"]
     assert (sync.extra_groups, sync.refill, sync.fill_engine, sync.kv_tokens_per_server) == (0, False, False, "off")
@@ -113,3 +115,27 @@ def test_the_clairvoyant_gain_is_what_launch_order_alone_adds_to_default(
     assert len(h20) == len(check.SEEDS) and min(h20) >= 1.0 and max(h20) > 1.0
     assert check.clairvoyant_gain(results("H200-SXM"), "cpu", 31, prefix_cache=True) == [1.0] * len(check.SEEDS)
     assert check.clairvoyant_gain(results("H20", mode="v0_sync"), "cpu", 31, prefix_cache=True) == []
+
+
+def test_a_run_over_several_epochs_is_simulated_with_the_benchmarks_epoch_correlation(
+    check: ModuleType, bench_module: Callable[[str], ModuleType], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``tail`` learns from a prompt's earlier epochs, so a run spanning epochs is simulated with the correlation its
+    lengths were drawn with (1: the same answers every epoch, the oracle history); a run within one epoch keeps the
+    draws it was first checked with."""
+    peer = bench_module("bench_peer")
+    seen: list[float] = []
+    original = check.simulate
+
+    def record(config, workload, *args, **kwargs):
+        seen.append(workload.sample_epoch_corr)
+        return original(config, workload, *args, **kwargs)
+
+    monkeypatch.setattr(check, "simulate", record)
+    override = "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_PARTIAL_EMULATE_GPU=H200-SXM/Qwen2.5-32B"
+    for train_rows, epoch_corr, expected in ((64, 1.0, 1.0), (64, 0.5, 0.5), (512, 1.0, 0.0)):
+        wl = peer.Workload(steps=6, train_rows=train_rows, lengths=peer.Lengths(epoch_corr=epoch_corr, epoch_steps=4))
+        results = {"workload": dataclasses.asdict(wl), "runs": [], "engines": {"cpu": {"overrides": [override]}}}
+        seen.clear()
+        check._simulate(results, check.sim_configs(wl.prompts)["default"], check._server(results, "cpu", True), 31, 0)
+        assert seen == [expected]

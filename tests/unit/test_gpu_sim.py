@@ -339,3 +339,23 @@ def test_a_clairvoyant_launch_order_changes_nothing_where_no_sample_waits():
     fifo = simulate(default, load, spec, servers=1, steps=4)
     clairvoyant = simulate(default, load, spec, servers=1, steps=4, clairvoyant=True)
     assert fifo.seconds == clairvoyant.seconds and fifo.tokens_trained == clairvoyant.tokens_trained
+
+
+def test_a_samples_length_carries_over_epochs_with_the_stated_correlation():
+    """``sample_epoch_corr``: one sample's log-length noise is correlated ``rho`` between any two epochs (the
+    benchmarks' imposed lengths), the law of each epoch unchanged; 1 repeats every answer, 0 draws afresh."""
+    rng = np.random.default_rng(0)
+    prompts = [int(p) for p in rng.integers(0, 10**6, 3000)]
+
+    def log_lengths(load: Workload, epoch: int) -> np.ndarray:
+        return np.log([load.length(p, f"p{p}@e{epoch}", 0, 0) for p in prompts])
+
+    for rho in (0.0, 0.5, 1.0):
+        load = Workload(batch=1, n=1, p50=1000, p99_over_p50=8, response_length=10**9, prompt_share=0.0,
+                        sample_epoch_corr=rho)  # fmt: skip
+        first, second = log_lengths(load, 0), log_lengths(load, 1)
+        assert np.corrcoef(first, second)[0, 1] == pytest.approx(rho, abs=0.05)
+        assert np.std(second) == pytest.approx(load.sigma, rel=0.05)
+        assert np.median(np.exp(second)) == pytest.approx(1000, rel=0.06)
+    with pytest.raises(ValueError, match="sample_epoch_corr"):
+        Workload(batch=1, n=1, p50=1, p99_over_p50=8, response_length=8, sample_epoch_corr=1.5)

@@ -28,6 +28,11 @@ class Workload:
 
     ``prompt_share``: fraction of the log-length variance shared by a prompt's samples (0.5 unless
     measured otherwise: an assumption, stated in docs/method/gpu-simulator.md).
+
+    ``sample_epoch_corr``: correlation of one sample's own log-length noise between any two epochs (the benchmarks'
+    imposed lengths, ``Lengths.epoch_corr``, with ``prompt_share`` 0): its normal is ``sqrt(rho) u(prompt, index) +
+    sqrt(1 - rho) e(admission, index, attempt)``. 0, the default, draws every epoch afresh (only the prompt's share
+    carries over).
     """
 
     batch: int
@@ -39,10 +44,12 @@ class Workload:
     prompts: int = 4096
     prompt_share: float = 0.5
     seed: int = 0
+    sample_epoch_corr: float = 0.0
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.prompt_share <= 1.0:
-            raise ValueError(f"prompt_share must be in [0, 1], got {self.prompt_share}")
+        for name in ("prompt_share", "sample_epoch_corr"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.batch < 1 or self.n < 1 or self.prompts < self.batch:
             raise ValueError(
                 f"need batch >= 1, n >= 1 and prompts >= batch; got {self.batch}, {self.n}, {self.prompts}"
@@ -64,8 +71,12 @@ class Workload:
         prompt difficulty.
         """
         sd = self.sigma * math.sqrt(1.0 - self.prompt_share)
-        noise = float(np.random.default_rng(_seed(self.seed, "sample", key, index, attempt)).normal(0.0, sd))
-        return max(1, math.ceil(self.p50 * math.exp(self.prompt_offset(prompt) + noise)))
+        noise = float(np.random.default_rng(_seed(self.seed, "sample", key, index, attempt)).normal())
+        rho = self.sample_epoch_corr
+        if rho:
+            kept = float(np.random.default_rng(_seed(self.seed, "sample", prompt, index)).normal())
+            noise = math.sqrt(rho) * kept + math.sqrt(1.0 - rho) * noise
+        return max(1, math.ceil(self.p50 * math.exp(self.prompt_offset(prompt) + sd * noise)))
 
     def reference_lengths(self, samples: int = 200_000) -> np.ndarray:
         """Trained lengths of an unbiased (synchronous) run: the capped distribution itself."""
