@@ -260,9 +260,9 @@ def _occupancy(runs: Mapping[str, list[Any]]) -> str:
     return ", ".join(f"{name} {statistics.fmean(r.occupancy for r in figures):.2f}" for name, figures in runs.items())
 
 
-def _paired(*pairs: tuple[str, str], occupancy: bool = True) -> Callable[[Mapping[str, Any]], str]:
+def _paired(*pairs: tuple[str, str]) -> Callable[[Mapping[str, Any]], str]:
     """A figure's value: each ``(ours, base)`` pair per trained token, paired by round (rollout phase and whole
-    step), then each mode's slot occupancy (left out where a table beside it has it)."""
+    step), then each mode's slot occupancy."""
 
     def value(data: Mapping[str, Any]) -> str:
         from benchmarks.bench_peer import by_mode, speedup
@@ -273,7 +273,7 @@ def _paired(*pairs: tuple[str, str], occupancy: bool = True) -> Callable[[Mappin
             f"{speedup(runs[base], runs[ours], 'step')}"
             for ours, base in pairs
         ]
-        return "; ".join([*versus, f"slot occupancy {_occupancy(runs)}"] if occupancy else versus)
+        return "; ".join([*versus, f"slot occupancy {_occupancy(runs)}"])
 
     return value
 
@@ -302,8 +302,17 @@ def _peer_goals_and_hand_over(data: Mapping[str, Any]) -> str:
 
 
 def _peer_tail(data: Mapping[str, Any]) -> str:
-    """The length-aware presets against v0 sync, per trained token, and what their windows do to trained lengths."""
-    from benchmarks.bench_peer import PRESETS_WINDOW, by_mode, speedup, spread, window_length_ratios
+    """The length-aware presets against v0 sync, per trained token (rollout phase, whole step), and what their windows
+    do to trained lengths."""
+    from benchmarks.bench_peer import (
+        BEST,
+        PRESETS_WINDOW,
+        by_mode,
+        goal_outcomes,
+        speedup,
+        spread,
+        window_length_ratios,
+    )
 
     engine = _peer_engine(data)
     runs = by_mode(dict(data), engine)
@@ -311,11 +320,13 @@ def _peer_tail(data: Mapping[str, Any]) -> str:
     for name in ("tail", "tail_on_policy"):
         if name in runs:
             windows = window_length_ratios(dict(data), engine, name, PRESETS_WINDOW)
-            parts.append(f"`{name}` vs v0 sync: rollout phase {speedup(runs['v0_sync'], runs[name], 'rollout')}, "
-                         f"whole step {speedup(runs['v0_sync'], runs[name], 'step')}, trained length per "
-                         f"{PRESETS_WINDOW}-step window {spread(windows)}x sync's")  # fmt: skip
+            parts.append(f"`{name}` vs v0 sync {speedup(runs['v0_sync'], runs[name], 'rollout')} rollout, "
+                         f"{speedup(runs['v0_sync'], runs[name], 'step')} step, {PRESETS_WINDOW}-step windows' "
+                         f"trained length {spread(windows)}x")  # fmt: skip
     if "tail" in runs and "default" in runs:
-        parts.append(f"`tail` vs `default`: rollout phase {speedup(runs['default'], runs['tail'], 'rollout')}")
+        parts.append(f"`tail` vs `default` {speedup(runs['default'], runs['tail'], 'rollout')} rollout")
+    if "v1_async_bound" in runs:  # the best-preset goal, length-aware presets included
+        parts += [o.measured() for o in goal_outcomes(dict(data), engine) if o.ours == BEST]
     return "; ".join(parts)
 
 
@@ -332,22 +343,19 @@ def _sim_knee(data: Mapping[str, Any]) -> str:
 
 
 def _sim_check(data: Mapping[str, Any]) -> str:
-    """How many modes the simulator predicts within 10 %, and its largest miss: like for like (the prefix cache as
-    the emulated engine ran), then with the other setting."""
+    """How many modes the simulator predicts within 10 %, and its largest miss, like for like (the prefix cache as
+    the emulated engine ran; the other setting's misses are in the results file, and in the table where one is
+    shown); and what a clairvoyant launch order would add to ``default``, where the check computed it."""
     from benchmarks.bench_peer import spread
     from benchmarks.sim_check_emulated import like_for_like
 
-    def within(key: str) -> str:
-        rows = [row for row in data["rows"] if row.get(key) is not None]
-        worst = max(rows, key=lambda row: abs(row[key]))
-        hits = sum(1 for row in rows if abs(row[key]) <= 0.10)
-        return f"{hits} of {len(rows)} within 10 %, worst {worst[key]:+.0%} ({worst['mode']})"
-
-    _, miss, other = like_for_like(dict(data))
-    ran, flipped = ("with", "without") if data.get("engine_prefix_cache", False) else ("without", "with")
-    said = f"like for like ({ran} vLLM's prefix cache): {within(miss)}; {flipped} it: {within(other)}"
+    _, miss, _ = like_for_like(dict(data))
+    rows = [row for row in data["rows"] if row.get(miss) is not None]
+    worst = max(rows, key=lambda row: abs(row[miss]))
+    hits = sum(1 for row in rows if abs(row[miss]) <= 0.10)
+    said = f"{hits} of {len(rows)} modes within 10 %, worst {worst[miss]:+.0%} ({worst['mode']})"
     gain = data.get("clairvoyant_launch_gain")
-    return f"{said}; clairvoyant launch order: `default` {spread(gain)}x faster" if gain else said
+    return f"{said}; clairvoyant launch order: `default` {spread(gain)}x" if gain else said
 
 
 def _sim_check_table(data: Mapping[str, Any]) -> str:
@@ -439,7 +447,7 @@ FIGURES: tuple[Figure, ...] = (
         id="peer-emulated-prefix",
         claim="verl's trainers on our CPU engine emulating 32B on one H20 behind vLLM's prefix cache; `default`: "
         "`partial.max_calls_per_server=auto`, the H20's knee (26 calls per server); `default_uncapped`: 512, the old "
-        "default; goals per trained token, paired by round; ceiling: the most any colocated schedule at staleness "
+        "default; goals per trained token, by round; ceiling: the most any colocated schedule at staleness "
         "<= 1 reaches on our presets' batches",
         source="peer_emulated_prefix.json",
         label="emulated",
@@ -450,7 +458,7 @@ FIGURES: tuple[Figure, ...] = (
         id="peer-emulated-h200",
         claim="as `peer-emulated-prefix`, emulating an H200 (32B; step time flat to 64 requests, knee 147), fixed "
         "beforehand, rows built while generating, `default` at 512 calls per server; wall clock: "
-        "engine-stamped weight load to weight load",
+        "between engine-stamped weight loads",
         source="peer_emulated_h200.json",
         label="emulated",
         value=_peer_goals_and_hand_over,
@@ -461,7 +469,7 @@ FIGURES: tuple[Figure, ...] = (
         claim="every mode (v1's also with a 0.05 s poll), no prefix cache modelled",
         source="peer_emulated.json",
         label="emulated",
-        value=_paired(("default", "v0_sync"), ("default", "v1_async_bound"), occupancy=False),
+        value=lambda data: "see the table",
         table=_peer_table_and_costs,
         image="img/peer_emulated.png",
     ),
@@ -497,6 +505,15 @@ FIGURES: tuple[Figure, ...] = (
         source="peer_tail_emulated.json",
         label="emulated",
         value=_peer_tail,
+    ),
+    Figure(
+        id="peer-tail-h200",
+        claim="as `peer-tail-emulated` on `peer-emulated-h200`'s H200, v1 at our bound; answers repeat every epoch "
+        "(an oracle history): an upper bound",
+        source="peer_tail_h200.json",
+        label="emulated",
+        value=_peer_tail,
+        image="img/peer_tail_h200.png",
     ),
     Figure(
         id="peer-emulated-fill",
@@ -538,8 +555,9 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         id="sim-vs-emulated-prefix",
         claim="the simulator (parameters frozen, seeds 0-4) beside the emulated engine on `peer-emulated-prefix`'s "
-        "runs (v1 unsimulated), rollout phase per trained token: a check of the scheduler model, not the GPU curve; "
-        "clairvoyant: launching the longest true remaining answer first",
+        "runs, rollout phase per trained token, each run's prefix cache as it ran: a check of the "
+        "scheduler model, not the GPU curve; clairvoyant: launching the longest true remaining answer first, its "
+        "speed-up",
         source="sim_check_prefix.json",
         label="simulated",
         value=_sim_check,
@@ -563,6 +581,13 @@ FIGURES: tuple[Figure, ...] = (
         id="sim-vs-emulated-kv",
         claim="the same check on `peer-emulated-kv`'s runs",
         source="sim_check_production_kv.json",
+        label="simulated",
+        value=_sim_check,
+    ),
+    Figure(
+        id="sim-vs-emulated-tail-h200",
+        claim="the same check on `peer-tail-h200`'s runs",
+        source="sim_check_tail_h200.json",
         label="simulated",
         value=_sim_check,
     ),
@@ -677,7 +702,7 @@ def render() -> str:
         "# Evidence",
         "",
         "Current figures, each once, written from `benchmarks/results/` by `python -m benchmarks.evidence` (do not",
-        "edit by hand), with each results file's date, command and commit. Runs before `9d084cb` gave `default` 512",
+        "edit), with each file's date, command and commit. Runs before `9d084cb` gave `default` 512",
         "calls per server, not `auto`'s GPU knee.",
         "",
         "## Figures",
@@ -686,11 +711,11 @@ def render() -> str:
     previous: Figure | None = None
     for figure, value, origin in rows:
         if previous is not None and previous.source == figure.source:  # the same runs: said once, linked
-            where = [f"- source, commit and command: as [`{previous.id}`](#{previous.id})"]
+            where = [f"Source: as [`{previous.id}`](#{previous.id})."]
         else:
             where = [
-                f"- source: `benchmarks/results/{figure.source}`, commit: {origin.commit or 'not recorded'}",
-                f"- command: `{shown_command(origin.command)}`",
+                f"Source: `benchmarks/results/{figure.source}` at {origin.commit or 'an unrecorded commit'}, from "
+                f"`{shown_command(origin.command)}`."
             ]
             previous = figure
         out += [

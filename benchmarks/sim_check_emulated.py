@@ -237,7 +237,9 @@ def spread(values: list[float]) -> str:
     return f"{statistics.fmean(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
-def compare(results: dict[str, Any], engine: str, prompt_len: int) -> dict[str, Any]:
+def compare(results: dict[str, Any], engine: str, prompt_len: int, clairvoyant: bool = False) -> dict[str, Any]:
+    """Predicted beside measured for every mode, the ceiling, and with ``clairvoyant`` the what-if of
+    :func:`clairvoyant_gain`."""
     cached = prefix_cached(results, engine)
     predicted, bounds, with_cache = predict(results, engine, prompt_len)
     as_engine, _, without_cache = predict(results, engine, prompt_len, prefix_cache=False)
@@ -264,7 +266,7 @@ def compare(results: dict[str, Any], engine: str, prompt_len: int) -> dict[str, 
         "seeds": list(SEEDS),
         "rows": rows,
         "ceiling_vs_sync": bounds,
-        "clairvoyant_launch_gain": clairvoyant_gain(results, engine, prompt_len, prefix_cache=cached),
+        **({"clairvoyant_launch_gain": clairvoyant_gain(results, engine, prompt_len, cached)} if clairvoyant else {}),
     }
 
 
@@ -333,9 +335,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine", default="cpu")
     parser.add_argument("--prompt-len", type=int, required=True, help="the benchmark's mean prompt tokens")
     parser.add_argument("--json", type=Path, help="write the comparison here")
+    parser.add_argument("--clairvoyant", action="store_true", help="also what launch order alone could add to default")
     args = parser.parse_args(argv)
     results = merge_results(args.peer)
-    report = compare(results, args.engine, args.prompt_len)
+    report = compare(results, args.engine, args.prompt_len, args.clairvoyant)
     report.update(
         command="python -m benchmarks.sim_check_emulated " + " ".join(sys.argv[1:] if argv is None else argv),
         machine=machine(),
