@@ -448,7 +448,7 @@ FIGURES: tuple[Figure, ...] = (
         claim="verl's trainers on our CPU engine emulating 32B on one H20 behind vLLM's prefix cache; `default`: "
         "`partial.max_calls_per_server=auto`, the H20's knee (26 calls per server); `default_uncapped`: 512, the old "
         "default; goals per trained token, by round; ceiling: the most any colocated schedule at staleness "
-        "<= 1 reaches on our presets' batches",
+        "<= 1 reaches on the batches our presets trained, not on regrouped ones",
         source="peer_emulated_prefix.json",
         label="emulated",
         value=_peer_goals_measured,
@@ -457,7 +457,7 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         id="peer-emulated-h200",
         claim="as `peer-emulated-prefix`, emulating an H200 (32B; step time flat to 64 requests, knee 147), fixed "
-        "beforehand, rows built while generating, `default` at 512 calls per server; wall clock: "
+        "beforehand, `default` at 512 calls per server; wall clock: "
         "between engine-stamped weight loads",
         source="peer_emulated_h200.json",
         label="emulated",
@@ -508,8 +508,8 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="peer-tail-h200",
-        claim="as `peer-tail-emulated` on `peer-emulated-h200`'s H200, v1 at our bound; answers repeat every epoch "
-        "(an oracle history): an upper bound",
+        claim="as `peer-tail-emulated` on `peer-emulated-h200`'s H200; answers repeat every epoch "
+        "(oracle history): an upper bound; ceiling as in `peer-emulated-prefix`",
         source="peer_tail_h200.json",
         label="emulated",
         value=_peer_tail,

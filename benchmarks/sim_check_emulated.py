@@ -199,20 +199,19 @@ def predict(results: dict[str, Any], engine: str, prompt_len: int, prefix_cache:
     return out, bounds, engines
 
 
-def clairvoyant_gain(results: dict[str, Any], engine: str, prompt_len: int, prefix_cache: bool) -> list[float]:
-    """Per seed, ``default``'s simulated rollout ms per trained token over the same run's with launches ordered by
-    the answers' true remaining lengths, longest first (``simulate(clairvoyant=True)``): what launch order alone
-    could add, knowing what no scheduler knows. 1.0 where no sample ever waits to be launched (the engines hold
-    every sample admitted). Empty where the benchmark ran no ``default``."""
-    if "default" not in {run["mode"] for run in results["runs"]}:
-        return []
+def clairvoyant_gain(
+    results: dict[str, Any], engine: str, prompt_len: int, prefix_cache: bool, fifo: list[float]
+) -> list[float]:
+    """Per seed, ``default``'s simulated rollout ms per trained token (``fifo``: :func:`predict`'s, with the same
+    ``prefix_cache``) over the same run's with launches ordered by the answers' true remaining lengths, longest first
+    (``simulate(clairvoyant=True)``): what launch order alone could add, knowing what no scheduler knows. 1.0 where
+    no sample ever waits to be launched (the engines hold every sample admitted)."""
     spec = _server(results, engine, prefix_cache)
     config = as_run(sim_configs(workload_of(results).prompts)["default"], results, "default")
-    gains = []
-    for seed in SEEDS:
-        fifo = _ms_per_token(_simulate(results, config, spec, prompt_len, seed)[1])
-        gains.append(fifo / _ms_per_token(_simulate(results, config, spec, prompt_len, seed, clairvoyant=True)[1]))
-    return gains
+    return [
+        ms / _ms_per_token(_simulate(results, config, spec, prompt_len, seed, clairvoyant=True)[1])
+        for ms, seed in zip(fifo, SEEDS, strict=True)
+    ]
 
 
 def busy_share(results: dict[str, Any], engine: str, mode: str) -> list[float]:
@@ -244,6 +243,7 @@ def compare(results: dict[str, Any], engine: str, prompt_len: int, clairvoyant: 
     predicted, bounds, with_cache = predict(results, engine, prompt_len)
     as_engine, _, without_cache = predict(results, engine, prompt_len, prefix_cache=False)
     simulated = with_cache if cached else without_cache
+    simulated_ms = predicted if cached else as_engine
     measured = {name: [r.gen_ms_per_token for r in runs] for name, runs in by_mode(results, engine).items()}
     rows = []
     for name in [m for m in MODES if m in measured or m in predicted]:
@@ -266,7 +266,11 @@ def compare(results: dict[str, Any], engine: str, prompt_len: int, clairvoyant: 
         "seeds": list(SEEDS),
         "rows": rows,
         "ceiling_vs_sync": bounds,
-        **({"clairvoyant_launch_gain": clairvoyant_gain(results, engine, prompt_len, cached)} if clairvoyant else {}),
+        **(
+            {"clairvoyant_launch_gain": clairvoyant_gain(results, engine, prompt_len, cached, simulated_ms["default"])}
+            if clairvoyant and "default" in simulated_ms
+            else {}
+        ),
     }
 
 

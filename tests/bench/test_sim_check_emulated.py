@@ -99,7 +99,7 @@ def test_the_clairvoyant_gain_is_what_launch_order_alone_adds_to_default(
 ) -> None:
     """Per seed, ``default``'s simulated phase per trained token over the clairvoyant run's: above 1 on an H20, where
     ``auto`` caps calls at 26 and samples wait in the pool to be launched; exactly 1 on an H200, whose knee (147) is
-    above the 64 samples the slots admit, so nothing waits; nothing without a ``default`` run."""
+    above the 64 samples the slots admit, so nothing waits; nothing unless asked for, or without a ``default`` run."""
     peer = bench_module("bench_peer")
 
     def results(gpu: str, mode: str = "default") -> dict:
@@ -111,10 +111,17 @@ def test_the_clairvoyant_gain_is_what_launch_order_alone_adds_to_default(
             "engines": {"cpu": {"label": "emulated", "overrides": [override]}},
         }
 
-    h20 = check.clairvoyant_gain(results("H20"), "cpu", 31, prefix_cache=True)
+    def gain(gpu: str) -> list[float]:
+        report = check.compare(results(gpu), "cpu", 31, clairvoyant=True)
+        fifo = check.predict(results(gpu), "cpu", 31)[0]["default"]
+        assert report["rows"][0]["predicted"] == fifo  # the fifo runs are predict's, not simulated again
+        return report["clairvoyant_launch_gain"]
+
+    h20 = gain("H20")
     assert len(h20) == len(check.SEEDS) and min(h20) >= 1.0 and max(h20) > 1.0
-    assert check.clairvoyant_gain(results("H200-SXM"), "cpu", 31, prefix_cache=True) == [1.0] * len(check.SEEDS)
-    assert check.clairvoyant_gain(results("H20", mode="v0_sync"), "cpu", 31, prefix_cache=True) == []
+    assert gain("H200-SXM") == [1.0] * len(check.SEEDS)
+    assert "clairvoyant_launch_gain" not in check.compare(results("H20", mode="v0_sync"), "cpu", 31, clairvoyant=True)
+    assert "clairvoyant_launch_gain" not in check.compare(results("H20"), "cpu", 31)
 
 
 def test_a_run_over_several_epochs_is_simulated_with_the_benchmarks_epoch_correlation(
