@@ -1085,9 +1085,11 @@ def write_block(path: Path, text: str, start: str = START, end: str = END) -> No
 
 
 def checkout() -> str:
-    """The commit measured, and the product files that differed from it."""
+    """The commit measured, and the product files that differed from it. Results files are data, not product: a
+    run merging its rounds into ``benchmarks/results/`` would otherwise call its own output a code change."""
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "verl_partial", "hydra_configs", "benchmarks"],
+    paths = ["verl_partial", "hydra_configs", "benchmarks", ":(exclude)benchmarks/results"]
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", *paths],
                            cwd=REPO, capture_output=True, text=True).stdout.split()[1::2]  # fmt: skip
     return head.stdout.strip() + (f" with uncommitted changes to {', '.join(dirty)}" if dirty else "")
 

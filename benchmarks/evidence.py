@@ -509,7 +509,7 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         id="peer-tail-h200",
         claim="as `peer-tail-emulated` on `peer-emulated-h200`'s H200; answers repeat every epoch "
-        "(oracle history): an upper bound; ceiling as in `peer-emulated-prefix`",
+        "(oracle history): an upper bound; ceiling per `peer-emulated-prefix`",
         source="peer_tail_h200.json",
         label="emulated",
         value=_peer_tail,

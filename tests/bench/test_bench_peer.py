@@ -373,3 +373,27 @@ def test_a_run_without_every_stamp_gives_no_wall_clock_figure(peer: ModuleType, 
     run = peer.figures(_stamped(_run("default", gen_s=2.0, step_s=5.0, mean_length=50.0), marks), wl)
     assert (run.cycle_s, run.window_s) == (None, None)
     assert peer.ratios([run], [run], "cycle") == [] and peer.ratios([run], [run], "rollout") == [1.0]
+
+
+def test_checkout_names_changed_code_but_not_the_results_a_run_merges_into(
+    peer: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run merging its rounds into benchmarks/results/ must not record its own output as a code change, while a
+    changed benchmark script is named."""
+    import subprocess
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                       capture_output=True)  # fmt: skip
+
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "benchmarks" / "bench.py").write_text("a = 1\n")
+    (tmp_path / "benchmarks" / "results" / "peer.json").write_text("{}\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "base")
+    monkeypatch.setattr(peer, "REPO", tmp_path)
+    (tmp_path / "benchmarks" / "results" / "peer.json").write_text('{"runs": []}\n')
+    assert "uncommitted" not in peer.checkout()
+    (tmp_path / "benchmarks" / "bench.py").write_text("a = 2\n")
+    assert peer.checkout().endswith("with uncommitted changes to benchmarks/bench.py")
