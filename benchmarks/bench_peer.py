@@ -727,6 +727,48 @@ def fixed_costs(results: dict[str, Any], engine: str, compact: bool = False) -> 
     return "\n".join([caption, "", *head, *rows])
 
 
+def floor_factors(run: dict[str, Any], wl: Workload, gpu: EmulatedGpu) -> tuple[float, float, float] | None:
+    """Where one run's rollout phase goes beyond the staleness floor on an emulated GPU (:func:`staleness_floor`, at
+    staleness <= 1), as three factors whose product is the mean phase over the floor: the engine steps a phase took
+    over the tail floor's (half the step's longest trained answer: what a schedule controls); the modelled time of an
+    engine step over the floor's time per tail step (prefill, re-prefill after weight sync included, and the other
+    requests in the batch); and the phase over the engine's modelled time in it (the hand-off at the phase's ends and
+    the emulated engine's own loop past each modelled step, alike in every mode). Modelled time per engine step is
+    the run's whole mean (the counters are cumulative). None without the inputs: verl's trainers do not log the
+    engine steps of a phase."""
+    steps = measured_steps(run, wl.first_measured)
+    stats = run.get("engine_stats") or []
+    if not steps or not stats or not all("partial/engine/steps" in step for step in steps):
+        return None
+    engine_steps = statistics.fmean(float(step["partial/engine/steps"]) for step in steps)
+    tail_steps = statistics.fmean(float(step["response_length/max"]) for step in steps) / 2
+    per_step = sum(e["modelled_s"] for e in stats) / sum(e["steps"] for e in stats)
+    gen = statistics.fmean(float(step["timing_s/gen"]) for step in steps)
+    floor = staleness_floor(run, wl, gpu)
+    return engine_steps / tail_steps, per_step * tail_steps / floor, gen / (engine_steps * per_step)
+
+
+def floor_gap(results: dict[str, Any], engine: str) -> str | None:
+    """:func:`floor_factors` per mode over rounds, for the report (not the evidence page); None on a measured
+    engine or where no run has the inputs."""
+    gpu = emulated_gpu(results, engine)
+    if gpu is None:
+        return None
+    wl, runs = workload_of(results), kept_runs(results, engine)
+    rows = []
+    for name in MODES:
+        factors = [f for f in (floor_factors(run, wl, gpu) for run in runs if run["mode"] == name) if f is not None]
+        if factors:
+            columns = [*zip(*factors, strict=True), [a * b * c for a, b, c in factors]]
+            rows.append(f"| `{name}` | {len(factors)} | " + " | ".join(spread(list(c), 3) for c in columns) + " |")
+    if not rows:
+        return None
+    head = ["| mode | rounds | engine steps / tail floor's | modelled step / floor's per tail step | phase / engine "
+            "modelled time | phase / floor (the product) |", "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+    return "\n".join(["Where our rollout phase goes beyond the staleness floor (mean, min-max over rounds):", "", *head,
+                      *rows])  # fmt: skip
+
+
 # The length-aware presets' window (``length_window_steps`` of ``tail`` and ``tail_on_policy``, the same): trained
 # lengths are compared with sync's over windows this long.
 PRESETS_WINDOW = PRESETS["tail"].length_window_steps
@@ -1268,6 +1310,7 @@ def main(argv: list[str] | None = None) -> None:
     text = "\n\n".join([header(results), *(f"{engine} ({label_of(results, engine)}):\n\n{table(results, engine)}"
                                             for engine in engines),
                          *(fixed_costs(results, engine) for engine in engines),
+                         *filter(None, (floor_gap(results, engine) for engine in engines)),
                          *filter(None, (length_windows(results, engine) for engine in engines))])  # fmt: skip
     verdicts = "\n\n".join(goals(results, engine) for engine in engines)
     print(text + "\n\n" + verdicts)

@@ -397,3 +397,19 @@ def test_checkout_names_changed_code_but_not_the_results_a_run_merges_into(
     assert "uncommitted" not in peer.checkout()
     (tmp_path / "benchmarks" / "bench.py").write_text("a = 2\n")
     assert peer.checkout().endswith("with uncommitted changes to benchmarks/bench.py")
+
+
+def test_the_floor_factors_multiply_to_the_phase_over_the_floor(peer: ModuleType) -> None:
+    """Engine steps over the tail floor's, modelled step over the floor's per tail step, and phase over the engine's
+    modelled time: each from the run's own counters, and together exactly the phase over the staleness floor."""
+    wl = peer.Workload(steps=3)
+    gpu = peer.EmulatedGpu.parse("H200-SXM/Qwen2.5-32B")
+    run = _run("default", gen_s=2.2, step_s=3.0, mean_length=50.0, **{"partial/engine/steps": 120.0})
+    run["engine_stats"] = [{"modelled_s": 30.0, "steps": 1500}]  # 20 ms an engine step
+    steps_over, step_cost_over, phase_over = peer.floor_factors(run, wl, gpu)
+    assert steps_over == pytest.approx(120.0 / (4 * 50.0 / 2))  # the longest answer, 200 tokens, over 2 phases
+    assert phase_over == pytest.approx(2.2 / (120.0 * 0.02))
+    assert steps_over * step_cost_over * phase_over == pytest.approx(2.2 / peer.staleness_floor(run, wl, gpu))
+    verl_trainer = _run("v1_async_bound", gen_s=2.2, step_s=3.0, mean_length=50.0)
+    verl_trainer["engine_stats"] = run["engine_stats"]
+    assert peer.floor_factors(verl_trainer, wl, gpu) is None  # no engine steps per phase logged
