@@ -510,32 +510,56 @@ def staleness_floor(run: dict[str, Any], wl: Workload, gpu: EmulatedGpu) -> floa
     return float(phase_floor(trained_steps(run, wl), int(prompt), floors, servers=1, max_staleness=1))
 
 
-def stamped_seconds(run: dict[str, Any], first: int) -> tuple[float, float] | None:
-    """Mean seconds per measured step of the step cycle (weight load to weight load) and the rollout window (weight
-    load to the engine's sleep), from our engine's stamps (``CpuBatchedEngine.mark``, replica 0); None where there
-    are none (verl's vLLM, a run stored before them) or a measured step lacks one.
+def _stamped_steps(run: dict[str, Any], first: int) -> list[tuple[list[Any], list[Any], list[Any]]] | None:
+    """Per measured step, our engine's stamps (``CpuBatchedEngine.mark``, replica 0) of the weight load it generates
+    on, the sleep ending its rollout, and the load ending the step; None where there are none (verl's vLLM, a run
+    stored before them) or a measured step lacks one.
 
-    One clock for every trainer where their timers differ: verl's v1 resumes generation inside its
-    ``update_weights`` timer and generates on while its driver logs the step, outside ``timing_s/gen`` and
-    ``timing_s/step``; ours and v0 sync leave the engine idle then. Step ``s`` generates on the weights loaded at
-    the end of step ``s - 1`` (``update_weights(global_steps)``, both trainers) and ends with the load for ``s``."""
+    Step ``s`` generates on the weights loaded at the end of step ``s - 1`` (``update_weights(global_steps)``, both
+    trainers) and ends with the load for ``s``; its rollout window ends at the first sleep after that load."""
     stats = run.get("engine_stats") or []
     marks = stats[0].get("marks") if stats else None
     if not marks:
         return None
-    loads = {int(step): float(at) for event, step, at in marks if event == "weights" and step is not None}
-    sleeps = sorted(float(at) for event, _, at in marks if event == "sleep")
-    cycles, windows = [], []
+    loads = {int(mark[1]): mark for mark in marks if mark[0] == "weights" and mark[1] is not None}
+    sleeps = sorted((mark for mark in marks if mark[0] == "sleep"), key=lambda mark: float(mark[2]))
+    found = []
     for step in sorted(int(key) for key, data in run["steps"].items() if int(key) >= first and "timing_s/gen" in data):
         start, end = loads.get(step - 1), loads.get(step)
         if start is None or end is None:
             return None
-        ended = next((at for at in sleeps if at > start), None)
-        if ended is None or ended > end:
+        ended = next((mark for mark in sleeps if float(mark[2]) > float(start[2])), None)
+        if ended is None or float(ended[2]) > float(end[2]):
             return None
-        cycles.append(end - start)
-        windows.append(ended - start)
-    return (statistics.fmean(cycles), statistics.fmean(windows)) if cycles else None
+        found.append((start, ended, end))
+    return found or None
+
+
+def stamped_seconds(run: dict[str, Any], first: int) -> tuple[float, float] | None:
+    """Mean seconds per measured step of the step cycle (weight load to weight load) and the rollout window (weight
+    load to the engine's sleep), from :func:`_stamped_steps`; None without every stamp.
+
+    One clock for every trainer where their timers differ: verl's v1 resumes generation inside its
+    ``update_weights`` timer and generates on while its driver logs the step, outside ``timing_s/gen`` and
+    ``timing_s/step``; ours and v0 sync leave the engine idle then."""
+    steps = _stamped_steps(run, first)
+    if steps is None:
+        return None
+    cycles = [float(end[2]) - float(start[2]) for start, _, end in steps]
+    windows = [float(sleep[2]) - float(start[2]) for start, sleep, _ in steps]
+    return statistics.fmean(cycles), statistics.fmean(windows)
+
+
+def window_busy_share(run: dict[str, Any], first: int) -> float | None:
+    """The emulated GPU's modelled time over the rollout windows of the measured steps: the engine's steady busy
+    share, the same for every trainer, without the first step's start-up that whole-run counters include. None
+    where a stamp lacks the modelled time (runs stored before it) or the run is not emulated."""
+    steps = _stamped_steps(run, first)
+    if steps is None or any(len(mark) < 4 for marks in steps for mark in marks):
+        return None
+    window = sum(float(sleep[2]) - float(start[2]) for start, sleep, _ in steps)
+    modelled = sum(float(sleep[3]) - float(start[3]) for start, sleep, _ in steps)
+    return modelled / window if window > 0 and modelled > 0 else None
 
 
 def figures(run: dict[str, Any], wl: Workload, gpu: EmulatedGpu | None = None) -> RunFigures | None:
@@ -682,7 +706,8 @@ def fixed_costs(results: dict[str, Any], engine: str, compact: bool = False) -> 
     sync (``timing_s/update_weights``, outside it, so a share of the whole step); v1's replay-buffer poll (a fixed 2 s
     interval, not logged: the rollout phase it costs is the paired difference with the mode's 0.05 s-poll twin);
     and, where our engine stamped them, the rollout window beyond ``timing_s/gen`` (:func:`stamped_seconds`): the
-    engine awake past the timer, generating (v1) or idle (ours, v0). ``compact``: shares only, modes by name."""
+    engine awake past the timer, generating (v1) or idle (ours, v0); and the emulated GPU's busy share of that window
+    (:func:`window_busy_share`). ``compact``: shares only, modes by name."""
     first = workload_of(results).first_measured
     runs, figures_of = kept_runs(results, engine), by_mode(results, engine)
     rows = []
@@ -710,8 +735,11 @@ def fixed_costs(results: dict[str, Any], engine: str, compact: bool = False) -> 
                 poll_cell = f"{spread(shares, 1)} %" + ("" if compact else " of the phase")
         beyond = [1e3 * (run.window_s - run.gen_s) for run in figures_of.get(name, []) if run.window_s is not None]
         beyond_cell = f"{spread(beyond, 0)} ms" if beyond else "-"
+        busy = [b for b in (window_busy_share(run, first) for run in runs if run["mode"] == name) if b is not None]
+        busy_cell = spread(busy) if busy else "-"
         if not compact:
-            rows.append(f"| {MODES[name].label} | {end_cell} | {sync_cell} | {poll_cell} | {beyond_cell} |")
+            cells = [MODES[name].label, end_cell, sync_cell, poll_cell, beyond_cell, busy_cell]
+            rows.append("| " + " | ".join(cells) + " |")
         elif (end_cell, poll_cell) != ("-", "-"):  # weight sync goes in the caption; a row of dashes is left out
             rows.append(f"| `{name}` | {end_cell} | {poll_cell} |")
     if compact:
@@ -723,7 +751,8 @@ def fixed_costs(results: dict[str, Any], engine: str, compact: bool = False) -> 
         caption = "Fixed real-clock costs per measured step (mean, min-max over rounds):"
         head = ["| mode | our step end (`partial/step_end_s`) | weight sync (`timing_s/update_weights`) | v1's 2 s "
                 "poll: rollout phase saved by its 0.05 s twin, same round | rollout window beyond `timing_s/gen` "
-                "(engine stamps) |", "|---|---:|---:|---:|---:|"]  # fmt: skip
+                "(engine stamps) | emulated GPU busy share of the rollout window (engine stamps) |",
+                "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
     return "\n".join([caption, "", *head, *rows])
 
 

@@ -320,10 +320,11 @@ def test_fixed_costs_are_shares_of_the_phase_they_sit_in(peer: ModuleType) -> No
     rows = {line.split(" | ")[0].lstrip("| "): line for line in peer.fixed_costs(results, "cpu_vllm").splitlines()}
     assert "0.50 s (10.0 % of the phase)" in rows["ours `+partial=default`"]  # step end, inside the rollout phase
     assert "0.200 s (2.0 % of the step)" in rows["ours `+partial=default`"]  # weight sync, outside it
-    assert rows["v1 sync"].endswith("| 20.0 % of the phase | - |")  # (10 - 8) / 10, paired in round 0
-    assert rows["v1 colocate_async, threshold 2 + wait"].endswith("| - | - |")
-    # The engine awake past verl's gen timer, from its stamps: 5.3 s windows around 5.0 s phases.
-    assert rows["ours `+partial=default`"].endswith("| 300 ms |")
+    assert rows["v1 sync"].endswith("| 20.0 % of the phase | - | - |")  # (10 - 8) / 10, paired in round 0
+    assert rows["v1 colocate_async, threshold 2 + wait"].endswith("| - | - | - |")
+    # The engine awake past verl's gen timer, from its stamps: 5.3 s windows around 5.0 s phases (stamps stored
+    # without the modelled time: no busy share).
+    assert rows["ours `+partial=default`"].endswith("| 300 ms | - |")
 
 
 def test_runs_merged_from_several_checkouts_name_each_in_the_header() -> None:
@@ -413,3 +414,17 @@ def test_the_floor_factors_multiply_to_the_phase_over_the_floor(peer: ModuleType
     verl_trainer = _run("v1_async_bound", gen_s=2.2, step_s=3.0, mean_length=50.0)
     verl_trainer["engine_stats"] = run["engine_stats"]
     assert peer.floor_factors(verl_trainer, wl, gpu) is None  # no engine steps per phase logged
+
+
+def test_the_busy_share_of_the_rollout_window_comes_from_the_stamps_modelled_time(peer: ModuleType) -> None:
+    """Measured steps only (step 1's start-up is not in it): the modelled engine time between each window's weight
+    load and sleep, over the windows. A stamp without the modelled time (stored before it) gives no figure."""
+    marks = [["weights", 0, 0.0, 0.0], ["sleep", 0, 90.0, 3.0], ["weights", 1, 100.0, 3.0], ["sleep", 1, 103.0, 5.7],
+             ["weights", 2, 110.0, 5.7], ["sleep", 2, 115.0, 10.2], ["weights", 3, 121.0, 10.2]]  # fmt: skip
+    run = _stamped(_run("default", gen_s=2.0, step_s=5.0, mean_length=50.0), marks)
+    assert peer.window_busy_share(run, 2) == pytest.approx((2.7 + 4.5) / (3.0 + 5.0))
+    assert peer.fixed_costs({"workload": dataclasses.asdict(peer.Workload(steps=3)),
+                             "runs": [{**run, "engine": "cpu"}]}, "cpu").endswith("| 0.90 |")  # fmt: skip
+    stored_before = _stamped(run, [mark[:3] for mark in marks])
+    assert peer.window_busy_share(stored_before, 2) is None
+    assert peer.stamped_seconds(stored_before, 2) == peer.stamped_seconds(run, 2)  # the clock figures are unchanged

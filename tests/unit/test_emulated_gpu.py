@@ -261,6 +261,7 @@ def test_a_server_started_with_the_drivers_env_runs_the_modelled_engine(demo_ass
     async def run():
         params = {"max_tokens": 4, "ignore_eos": True, "temperature": 1.0}
         await server.generate(prompt_ids=[1, 2, 3], sampling_params=params, request_id="a")
+        server.engine.mark("sleep", 0)  # a trainer's stamp carries the engine's modelled time so far
         await server.engine.close()
 
     asyncio.run(run())
@@ -274,7 +275,8 @@ def test_a_server_started_with_the_drivers_env_runs_the_modelled_engine(demo_ass
     assert stats["modelled_s"] == pytest.approx(expected)
     # What a benchmark reads under any trainer (verl's own never ask): the same counters, written as the loop ended.
     written = json.loads((tmp_path / "engine-0.json").read_text())
-    assert written.pop("marks") == []  # no trainer called: nothing stamped
+    ((event, step, _, modelled),) = written.pop("marks")
+    assert (event, step, modelled) == ("sleep", 0, pytest.approx(expected))  # every step ran before the stamp
     assert written == {key: stats[key] for key in written} and written["steps"] == 4
 
 

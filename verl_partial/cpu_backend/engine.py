@@ -342,7 +342,8 @@ class CpuBatchedEngine:
         self._requests: dict[str, EngineRequest] = {}  # unfinished requests, waiting or running
         self._paused = False
         self._stats = EngineStats()
-        self._marks: list[tuple[str, int | None, float]] = []  # ``mark``: (event, trainer step, wall-clock seconds)
+        # ``mark``: (event, trainer step, wall-clock seconds, modelled engine seconds so far)
+        self._marks: list[tuple[str, int | None, float, float]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None
@@ -401,8 +402,10 @@ class CpuBatchedEngine:
         Every trainer, ours and verl's v0 and v1, loads weights once per step and puts the engine to sleep once its
         rollout is over, so these stamps time each one's step cycle and rollout window the same way from the engine's
         side, where the trainers' own timers differ: verl's v1 resumes generation inside ``update_weights`` and
-        generates on while its driver logs the step, before its next ``gen`` timer starts."""
-        self._marks.append((event, step, time.time()))
+        generates on while its driver logs the step, before its next ``gen`` timer starts. Each stamp also carries the
+        modelled engine time so far (``stats.modelled_s``), so the share of a rollout window the emulated GPU was busy
+        is exact for every trainer, its steady steps apart from its start-up."""
+        self._marks.append((event, step, time.time(), self._stats.modelled_s))
         if self.stats_file is not None:
             self.write_stats()
 
