@@ -769,11 +769,13 @@ def floor_factors(run: dict[str, Any], wl: Workload, gpu: EmulatedGpu) -> tuple[
     stats = run.get("engine_stats") or []
     if not steps or not stats or not all("partial/engine/steps" in step for step in steps):
         return None
+    run_figures = figures(run, wl, gpu)  # the phase and the floor every verdict uses
+    if run_figures is None or not run_figures.floor_s:
+        return None
     engine_steps = statistics.fmean(float(step["partial/engine/steps"]) for step in steps)
     tail_steps = statistics.fmean(float(step["response_length/max"]) for step in steps) / 2
     per_step = sum(e["modelled_s"] for e in stats) / sum(e["steps"] for e in stats)
-    gen = statistics.fmean(float(step["timing_s/gen"]) for step in steps)
-    floor = staleness_floor(run, wl, gpu)
+    gen, floor = run_figures.gen_s, run_figures.floor_s
     return engine_steps / tail_steps, per_step * tail_steps / floor, gen / (engine_steps * per_step)
 
 
