@@ -26,7 +26,9 @@ The workload is benchmarks/bench_vllm_trainer.py's, imported from it: its 24 M-p
 lengths (``ignore_eos`` and a per-sample target, a pure function of prompt and sample index). The sample index
 reaches the length target by each path's own route: verl's row ``priority`` on v0 sync, the request id in our
 scheduler, and v1's ``session_id`` (:class:`SessionImposedLengthAgentLoop`), so every mode generates the same
-answers' lengths for the same prompt.
+answers' lengths for the same prompt. With ``--epoch-corr`` below 1 each path is told the epoch its prompt was drawn
+in by its own route too: v0 by the trainer step, ours by the group key, v1 by the uid its trainer drew the prompt
+under (``install_epoch_hook``).
 
 Every run goes through benchmarks/harness.py: the one lock, the same environment, threads and Ray runtime environment
 in every mode, a calibration probe of the engine before the run, the machine's load during it, and a busy machine's
@@ -56,6 +58,7 @@ from benchmarks.bench_vllm_trainer import (
     Lengths,
     Workload,
     build_assets,
+    epoch_of_key,
     machine,
     measured_steps,
     trained_steps,
@@ -284,10 +287,12 @@ class SessionImposedLengthAgentLoop(ImposedLengthAgentLoop):
     """
 
     async def run(self, sampling_params: dict[str, Any], **kwargs: Any) -> Any:
-        if Lengths.from_env().per_epoch:
-            raise NotImplementedError("epoch-correlated lengths need each sample's epoch, which v1's loop is not told")
         kwargs["priority"] = int(kwargs["session_id"])
         return await super().run(sampling_params, **kwargs)
+
+    def epoch(self, lengths: Lengths, row: dict[str, Any]) -> int:
+        """From the uid the epoch hook gave the prompt when v1's trainer drew it (``install_epoch_hook``)."""
+        return epoch_of_key(str(row["uid"]))
 
 
 def _poll_interval(sampler_kwargs: Any) -> float:
@@ -1295,7 +1300,7 @@ def main(argv: list[str] | None = None) -> None:
                         "earlier epochs)")  # fmt: skip
     parser.add_argument("--epoch-corr", type=float, default=1.0,
                         help="correlation of a sample's log-length between epochs, in [0, 1]; 1 (default) repeats "
-                        "every length each epoch: an oracle history (v0 trainer only below 1)")  # fmt: skip
+                        "every length each epoch: an oracle history")  # fmt: skip
     parser.add_argument(
         "--seeds-by-round",
         action="store_true",
@@ -1332,10 +1337,6 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"--engines: unknown {unknown}; allowed: {list(ENGINES)}")
         if not 0.0 <= args.epoch_corr <= 1.0:
             raise SystemExit(f"--epoch-corr {args.epoch_corr}: must be in [0, 1]")
-        v1 = [name for name in args.modes.split(",") if MODES[name].trainer == "v1"]
-        if args.epoch_corr < 1 and v1:
-            raise SystemExit(f"--epoch-corr below 1 runs on verl's v0 trainer only (v1's loop is not told a sample's "
-                             f"epoch); leave out {v1}")  # fmt: skip
         results = measure(args, argv)
     engines = engines_of(results)
     text = "\n\n".join([header(results), *(f"{engine} ({label_of(results, engine)}):\n\n{table(results, engine)}"

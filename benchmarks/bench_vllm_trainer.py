@@ -184,15 +184,17 @@ class ImposedLengthAgentLoop(SingleTurnAgentLoop):
     async def run(self, sampling_params: dict[str, Any], priority: int = 0, **kwargs: Any) -> Any:
         index = int(priority) % int(self.rollout_config.n)  # fit() repeats each prompt n times, interleaved
         lengths = Lengths.from_env()
-        epoch = None
-        if lengths.per_epoch:
-            step = _TRAINER_STEP.get()
-            if step is None or step < 1:
-                raise RuntimeError("epoch-correlated lengths need the trainer step: install_step_hook() did not run "
-                                   "in this worker, or this loop runs outside verl's v0 AgentLoopWorker")  # fmt: skip
-            epoch = lengths.epoch_of_step(step)
+        epoch = self.epoch(lengths, kwargs) if lengths.per_epoch else None
         self.server_manager = _ImposedClient(self.server_manager, lengths, index, epoch)
         return await super().run(sampling_params, priority=priority, **kwargs)
+
+    def epoch(self, lengths: Lengths, row: dict[str, Any]) -> int:
+        """The epoch of this sample's prompt: v0 draws one batch a step, so the trainer step tells it."""
+        step = _TRAINER_STEP.get()
+        if step is None or step < 1:
+            raise RuntimeError("epoch-correlated lengths need the trainer step: install_step_hook() did not run "
+                               "in this worker, or this loop runs outside verl's v0 AgentLoopWorker")  # fmt: skip
+        return lengths.epoch_of_step(step)
 
 
 # verl's own AgentLoopWorker._run_agent_loop, kept by install_step_hook in each process that installs it.
@@ -225,12 +227,51 @@ def install_step_hook() -> None:
     AgentLoopWorker._run_agent_loop = _run_agent_loop_with_step
 
 
-def epoch_of_group(group_key: str) -> int:
-    """The epoch our prompt source drew a group in, from its key ``e<epoch>-<draw>``
-    (verl_partial.glue.partial.rollout.PromptStream.next_prompt)."""
-    found = re.fullmatch(r"e(\d+)-\d+", group_key)
+# verl v1's own PPOTrainer._fetch_one_gen_batch, kept by install_epoch_hook in each process that installs it.
+_VERL_FETCH: dict[str, Any] = {}
+
+
+def _fetch_one_gen_batch_with_epoch(self: Any) -> Any:
+    """verl v1's dataloader fetch with every prompt's uid prefixed by the epoch it was drawn in: ``e<epoch>-<uuid>``.
+
+    v1's agent loop is told a prompt's uid (``AgentLoopWorkerTQ._run_prompt`` passes the row's fields on) but not its
+    epoch, and under ``colocate_async`` the trainer step does not tell it either: prompts are fetched a step ahead, one
+    at a time (``gen_batch_size`` 1). verl replaces its iterator when the last one runs out, so a new iterator object
+    is a new epoch, counted from 1 as our prompt source and v0's step count do. The uid stays free of ``_``, which
+    v1's keys (``<uid>_<session>_<index>``) split on. Module-level, as :func:`_run_agent_loop_with_step` is."""
+    before = self.train_dataloader_it
+    batch = _VERL_FETCH["fetch"](self)
+    if self.train_dataloader_it is not before:
+        self.bench_epoch = getattr(self, "bench_epoch", 0) + 1
+    from verl.utils import tensordict_utils as tu
+
+    tu.assign_non_tensor_stack(batch, "uid", [f"e{self.bench_epoch}-{uid}" for uid in batch["uid"]])
+    return batch
+
+
+def install_epoch_hook() -> None:
+    """Tag every prompt verl's v1 trainer draws with its epoch (:func:`_fetch_one_gen_batch_with_epoch`); once per
+    process. Needs the vLLM tier's environment (v1's trainer imports TransferQueue), as bench_peer does."""
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    if PPOTrainer._fetch_one_gen_batch is _fetch_one_gen_batch_with_epoch:
+        return
+    source = inspect.getsource(PPOTrainer._fetch_one_gen_batch)
+    for needed in ("except StopIteration", "self.train_dataloader_it = iter(self.train_dataloader)", '"uid"'):
+        if needed not in source:
+            raise RuntimeError(f"verl's v1 PPOTrainer._fetch_one_gen_batch no longer has {needed!r}: the imposed "
+                               "lengths' epoch hook needs updating for this verl")  # fmt: skip
+    _VERL_FETCH["fetch"] = PPOTrainer._fetch_one_gen_batch
+    PPOTrainer._fetch_one_gen_batch = _fetch_one_gen_batch_with_epoch
+
+
+def epoch_of_key(key: str) -> int:
+    """The epoch a prompt was drawn in, from the key it carries: ``e<epoch>-<draw>`` for our prompt source's groups
+    (verl_partial.glue.partial.rollout.PromptStream.next_prompt), ``e<epoch>-<uuid>`` for v1's uids
+    (:func:`_fetch_one_gen_batch_with_epoch`)."""
+    found = re.fullmatch(r"e(\d+)-[0-9a-f-]+", key)
     if found is None:
-        raise RuntimeError(f"group key {group_key!r} is not e<epoch>-<draw>: the imposed lengths' epoch needs updating")
+        raise RuntimeError(f"key {key!r} is not e<epoch>-<draw or uuid>: the imposed lengths' epoch needs updating")
     return int(found.group(1))
 
 
@@ -242,6 +283,7 @@ def worker_setup() -> None:
         install_partial_hook()
         if Lengths.from_env().per_epoch:
             install_step_hook()
+            install_epoch_hook()
     if os.environ.get(ENGINE_STEPS_ENV):
         record_engine_steps(Path(os.environ[ENGINE_STEPS_ENV]))
 
@@ -288,7 +330,7 @@ def install_partial_hook() -> None:
             raise NotImplementedError("imposed lengths cover single-turn rollout only")
         prompt_ids = call.prompt_ids if call.prompt_ids is not None else await self._prompt_ids(call)
         lengths = Lengths.from_env()
-        epoch = epoch_of_group(call.group_key) if lengths.per_epoch else None
+        epoch = epoch_of_key(call.group_key) if lengths.per_epoch else None
         target = lengths.target(prompt_ids, int(call.request_id.split("/")[1]), epoch)
         remaining = target - len(call.prefix)
         if remaining < 1:

@@ -88,13 +88,15 @@ def test_both_paths_count_the_same_epochs(trainer: ModuleType) -> None:
     ``e<epoch>-<draw>``, epochs 1-based: with 4 steps an epoch, the same prompt draw falls in the same epoch."""
     lengths = trainer.Lengths(epoch_corr=0.5, epoch_steps=4)
     assert [lengths.epoch_of_step(step) for step in (1, 4, 5, 8, 9)] == [1, 1, 2, 2, 3]
-    assert trainer.epoch_of_group("e3-117") == 3
-    with pytest.raises(RuntimeError, match="is not e<epoch>-<draw>"):
-        trainer.epoch_of_group("3-117")
+    assert trainer.epoch_of_key("e3-117") == 3
+    assert trainer.epoch_of_key("e12-0b259444-9ea9-41e9-8775-da9d246cfe54") == 12  # a v1 uid, tagged
+    for untagged in ("3-117", "0b259444-9ea9-41e9-8775-da9d246cfe54"):
+        with pytest.raises(RuntimeError, match="is not e<epoch>-<draw or uuid>"):
+            trainer.epoch_of_key(untagged)
 
 
 def test_our_prompt_source_keys_groups_by_epoch() -> None:
-    """The key format epoch_of_group parses is the one PromptStream hands out, epochs counted from 1."""
+    """The key format epoch_of_key parses is the one PromptStream hands out, epochs counted from 1."""
     from verl_partial.glue.partial.rollout import PromptStream
 
     class Loader:
@@ -163,6 +165,56 @@ def test_the_step_hook_refuses_a_changed_verl(trainer: ModuleType, verl_worker: 
         trainer.install_step_hook()
 
 
+@pytest.fixture
+def v1_trainer(trainer: ModuleType, monkeypatch: pytest.MonkeyPatch) -> type:
+    """verl's v1 PPOTrainer (the vLLM tier's environment: it imports TransferQueue), restored after the test, with no
+    epoch hook installed."""
+    from verl.trainer.ppo.v1.trainer_base import PPOTrainer
+
+    monkeypatch.setattr(PPOTrainer, "_fetch_one_gen_batch", PPOTrainer._fetch_one_gen_batch)
+    monkeypatch.setattr(trainer, "_VERL_FETCH", {})
+    return PPOTrainer
+
+
+class _OneRowBatches:
+    """A dataloader of ``rows`` one-prompt batches, as v1's colocate_async draws them (``gen_batch_size`` 1)."""
+
+    def __init__(self, rows: int) -> None:
+        self.rows = rows
+
+    def __iter__(self):
+        import numpy as np
+
+        return iter([{"raw_prompt": np.array([[{"role": "user", "content": str(row)}]], dtype=object)}
+                     for row in range(self.rows)])  # fmt: skip
+
+
+@pytest.mark.vllm
+def test_v1_s_trainer_tags_every_prompt_with_the_epoch_it_was_drawn_in(
+    trainer: ModuleType, peer: ModuleType, v1_trainer: type
+) -> None:
+    """verl's own fetch runs under the hook: over a 3-row data set, draws 1-3 are epoch 1 and 4-7 epoch 2 and 3,
+    and the imposed-length loop on v1 reads each sample's epoch back from the uid its row carries."""
+    trainer.install_epoch_hook()
+    trainer.install_epoch_hook()  # once per process: a second install must not wrap the hook in itself
+    drawer = type("Drawer", (), {"train_dataloader": _OneRowBatches(3), "train_dataloader_it": None})()
+    uids = [str(uid) for _ in range(7) for uid in v1_trainer._fetch_one_gen_batch(drawer)["uid"]]
+    lengths = trainer.Lengths(epoch_corr=0.5, epoch_steps=4)
+    epochs = [peer.SessionImposedLengthAgentLoop.epoch(None, lengths, {"uid": uid}) for uid in uids]
+    assert epochs == [1, 1, 1, 2, 2, 2, 3]
+    assert len(set(uids)) == 7 and not any("_" in uid for uid in uids)  # v1's keys split <uid>_<session>_<index>
+
+
+@pytest.mark.vllm
+def test_the_epoch_hook_refuses_a_changed_verl(trainer: ModuleType, v1_trainer: type) -> None:
+    def changed(self):  # draws without restarting its iterator: a new epoch would go unseen
+        return next(self.train_dataloader_it)
+
+    v1_trainer._fetch_one_gen_batch = changed  # restored by the fixture
+    with pytest.raises(RuntimeError, match="epoch hook needs updating"):
+        trainer.install_epoch_hook()
+
+
 def test_the_peer_workload_counts_epochs_in_its_data_set(peer: ModuleType) -> None:
     args = peer.argparse.Namespace(
         steps=16, slots=64, train_rows=64, epoch_corr=0.5, model="tiny", median=48, cap=512, micro_batch=8
@@ -189,9 +241,7 @@ def test_a_production_shaped_workload_reaches_the_trainer(peer: ModuleType, trai
     assert max(lengths) == 4096 and 700 < sorted(lengths)[len(lengths) // 2] < 1400  # capped, median about 1024
 
 
-def test_epoch_correlated_lengths_are_refused_on_v1(peer: ModuleType) -> None:
-    with pytest.raises(SystemExit, match="v0 trainer only"):
-        peer.main(["--engines", "cpu", "--modes", "tail,v1_async_bound", "--epoch-corr", "0.5"])
+def test_an_epoch_correlation_outside_0_1_is_refused(peer: ModuleType) -> None:
     with pytest.raises(SystemExit, match=r"--epoch-corr 2.0: must be in \[0, 1\]"):
         peer.main(["--engines", "cpu", "--modes", "tail", "--epoch-corr", "2"])
 
