@@ -40,6 +40,7 @@ from benchmarks.bench_peer import (
     overran,
     prefix_cached,
     usable,
+    window_busy_share,
     workload_of,
 )
 from verl_partial.config.partial import CALLS_PER_SERVER_CEILING, PRESETS, PartialConfig
@@ -214,22 +215,27 @@ def clairvoyant_gain(
     ]
 
 
-def busy_share(results: dict[str, Any], engine: str, mode: str) -> list[float]:
-    """Per run, the engine's modelled step time over the trainer's rollout phases (every step, as the counters are
-    cumulative): the share of the phase the simulator models at all. The rest is the engine idle inside the phase
-    (Ray, the agent loops, the step end, weight sync hand-off), which the simulator leaves out, and the first step's
-    start-up (the first round trip to the servers, seconds): in v0 sync's phase and, since ``bd29dc7``, in ours; v1
-    warms up outside its timers. The counters are written every 200 engine steps, so the last few seconds of a run
-    may be missing: a slight underestimate."""
+def busy_share(results: dict[str, Any], engine: str, mode: str) -> tuple[list[float], bool]:
+    """Per run, the engine's modelled step time over the trainer's rollout time: the share of the phase the simulator
+    models at all. The rest is the engine idle inside the phase (Ray, the agent loops, the step end, weight sync
+    hand-off), which the simulator leaves out. True beside the shares where they are steady: every run's engine
+    stamps carry the modelled time (runs from ``f010c68`` on), so the share is over the measured steps' rollout
+    windows (``bench_peer.window_busy_share``), the same measure for every trainer. Otherwise (False) it is over
+    every step from the cumulative counters, so it also counts the first step's start-up (the first round trip to the
+    servers, seconds: in v0 sync's phase and, since ``bd29dc7``, in ours; v1 warms up outside its timers), and the
+    counters, written every 200 engine steps, may miss a run's last few seconds."""
+    runs = [run for run in results["runs"]
+            if run.get("engine") == engine and run["mode"] == mode and not overran(run) and usable(run)]  # fmt: skip
+    steady = [window_busy_share(run, workload_of(results).first_measured) for run in runs]
+    if runs and all(share is not None for share in steady):
+        return [share for share in steady if share is not None], True
     shares = []
-    for run in results["runs"]:
-        if run.get("engine") != engine or run["mode"] != mode or overran(run) or not usable(run):
-            continue
+    for run in runs:
         phase = sum(float(step["timing_s/gen"]) for step in run["steps"].values() if "timing_s/gen" in step)
         modelled = sum(stats["modelled_s"] for stats in run.get("engine_stats", []))
         if phase > 0 and modelled > 0:
             shares.append(modelled / phase)
-    return shares
+    return shares, False
 
 
 def spread(values: list[float]) -> str:
@@ -247,12 +253,14 @@ def compare(results: dict[str, Any], engine: str, prompt_len: int, clairvoyant: 
     measured = {name: [r.gen_ms_per_token for r in runs] for name, runs in by_mode(results, engine).items()}
     rows = []
     for name in [m for m in MODES if m in measured or m in predicted]:
+        shares, steady = busy_share(results, engine, name)
         row: dict[str, Any] = {
             "mode": name,
             "measured": measured.get(name),
             "predicted": predicted.get(name),
             "predicted_as_engine": as_engine.get(name),
-            "engine_busy_share": busy_share(results, engine, name),
+            "engine_busy_share": shares,
+            "engine_busy_share_steady": steady,
             "engine": {"measured": measured_engine(results, engine, name), "simulated": simulated.get(name, [])},
         }
         for key, prediction in (("miss", "predicted"), ("miss_as_engine", "predicted_as_engine")):
@@ -290,7 +298,7 @@ def table(report: dict[str, Any]) -> str:
     lines = [
         f"| mode | measured rollout ms / trained token (rounds) | simulated {ran} vLLM's prefix cache, as the emulated "
         f"engine (seeds) | simulated / measured - 1 | {other} it, simulated / measured - 1 | measured: engine "
-        "busy share of the phase |",
+        f"busy share of the {_busy_scope(report)} |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for row in report["rows"]:
@@ -304,6 +312,15 @@ def table(report: dict[str, Any]) -> str:
             f"{spread(row['engine_busy_share']) if row['engine_busy_share'] else '-'} |"
         )
     return "\n".join(lines)
+
+
+def _busy_scope(report: dict[str, Any]) -> str:
+    """What the busy-share column covers: the measured steps' rollout windows where every row's runs were stamped
+    with the modelled time, else the whole run (reports written before that record neither)."""
+    rows = [row for row in report["rows"] if row.get("engine_busy_share")]
+    if rows and all(row.get("engine_busy_share_steady", False) for row in rows):
+        return "rollout windows, measured steps"
+    return "phase, whole run"
 
 
 def _miss(miss: float | None) -> str:

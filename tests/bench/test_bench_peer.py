@@ -127,6 +127,9 @@ def test_goal_verdicts_use_every_round(peer: ModuleType) -> None:
     assert peer.verdict([1.4, 1.7, 1.8], 1.5) == "goal 1.5x met in some rounds only: not met"
     assert peer.verdict([1.1, 1.2, 1.3], 1.5) == "goal 1.5x not met"
     assert "undecided: 2 round(s)" in peer.verdict([1.6, 1.7], 1.5)
+    # A round below the goal decides it before 3 rounds: more rounds cannot raise the range's low end.
+    assert peer.verdict([1.2], 1.3) == "goal 1.3x not met (1 round(s))"
+    assert peer.verdict([1.6, 1.4], 1.5, restate=False) == "met in some rounds only: not met (2 round(s))"
     assert peer.verdict([1.1, 1.2, 1.3], 1.5, restate=False) == "not met"
 
 
@@ -213,6 +216,26 @@ def test_an_emulated_run_that_overran_gives_no_figure(peer: ModuleType) -> None:
     assert "(1 overran)" in peer.table(results, "cpu")
     results["runs"][0]["engine_stats"] = []  # no counters: nothing shows the steps fitted
     assert "v0_sync" not in peer.by_mode(results, "cpu")
+
+
+def test_overran_runs_come_back_only_when_asked_for_a_sensitivity_figure(peer: ModuleType) -> None:
+    """Goals count kept rounds only; ``with_overran`` gives every round, for the figure beside a goal met on the kept
+    ones (an overrun slows the engine past its model, so it can only flatter the mode beside it)."""
+    results = {"workload": dataclasses.asdict(peer.Workload(steps=3)), "engines": EMULATED, "modes": ["v0_sync"],
+               "runs": [_emulated(_run("v0_sync", 2.0, 4.0, 50.0, 0), 1000, 9),
+                        _emulated(_run("v0_sync", 2.0, 4.0, 50.0, 1), 1000, 10)]}  # fmt: skip
+    assert [r.round for r in peer.by_mode(results, "cpu", with_overran=True)["v0_sync"]] == [0, 1]
+    assert [run["round"] for run in peer.kept_runs(results, "cpu")] == [0]
+
+
+def test_a_goal_is_met_on_enough_rounds_that_all_reach_it(peer: ModuleType) -> None:
+    def outcome(*values: float) -> object:
+        return peer.GoalOutcome("default", "v1_async_bound", "rollout", 1.1, values)
+
+    assert outcome(1.1, 1.2, 1.15).met
+    assert not outcome(1.1, 1.2).met  # two rounds decide nothing met
+    assert not outcome(1.09, 1.2, 1.3).met
+    assert outcome(1.09).verdict() == "goal 1.1x not met (1 round(s))"
 
 
 def test_occupancy_on_the_emulated_engine_is_one_formula_for_every_mode(peer: ModuleType) -> None:

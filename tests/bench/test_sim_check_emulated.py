@@ -55,7 +55,26 @@ def test_the_busy_share_reads_every_step_of_usable_runs_that_fit(check: ModuleTy
     run = {"engine": "cpu", "mode": "default", "returncode": 0, "steps": steps,
            "engine_stats": [{"steps": 1000, "overruns": 0, "modelled_s": 4.5}]}  # fmt: skip
     overran = {**run, "engine_stats": [{"steps": 1000, "overruns": 50, "modelled_s": 6.0}]}
-    assert check.busy_share({"runs": [run, overran]}, "cpu", "default") == pytest.approx([0.75])
+    shares, steady = check.busy_share({"runs": [run, overran], "workload": {"lengths": {}}}, "cpu", "default")
+    assert shares == pytest.approx([0.75]) and not steady  # no stamps: every step, start-up included
+
+
+def test_the_busy_share_is_steady_where_every_run_carries_the_modelled_time(check: ModuleType) -> None:
+    """Stamps with the modelled time (weight load, sleep, next load): the share is over the measured steps' rollout
+    windows only, so step 1's start-up (a 9 s phase with 0.5 s modelled) no longer dilutes it; one run stamped the
+    old way puts the whole file back on whole runs."""
+    marks = [["weights", 0, 0.0, 0.0], ["sleep", None, 9.0, 0.5], ["weights", 1, 10.0, 0.5],
+             ["sleep", None, 12.0, 2.1], ["weights", 2, 13.0, 2.1], ["sleep", None, 15.0, 3.7],
+             ["weights", 3, 16.0, 3.7]]  # fmt: skip
+    steps = {"1": {"timing_s/gen": 9.0}, "2": {"timing_s/gen": 2.0}, "3": {"timing_s/gen": 2.0}}
+    run = {"engine": "cpu", "mode": "default", "returncode": 0, "steps": steps,
+           "engine_stats": [{"steps": 1000, "overruns": 0, "modelled_s": 3.7, "marks": marks}]}  # fmt: skip
+    results = {"runs": [run], "workload": {"steps": 3, "lengths": {}}}
+    shares, steady = check.busy_share(results, "cpu", "default")
+    assert steady and shares == pytest.approx([3.2 / 4.0])
+    old = {**run, "engine_stats": [{**run["engine_stats"][0], "marks": [m[:3] for m in marks]}]}
+    shares, steady = check.busy_share({**results, "runs": [run, old]}, "cpu", "default")
+    assert not steady and shares == pytest.approx([3.7 / 13.0] * 2)
 
 
 def test_the_engine_figures_count_both_sides_alike(check: ModuleType) -> None:
@@ -92,6 +111,9 @@ def test_the_table_gives_the_like_for_like_miss_and_the_prefix_cache_miss_each_f
     line = next(line for line in check.table({"rows": [row]}).splitlines() if line.startswith("| `default`"))
     cells = [cell.strip() for cell in line.strip("|").split("|")]
     assert cells[2:5] == ["1.90 (1.90-1.90)", "-5%", "-20% (over 10 %)"]
+    assert "busy share of the phase, whole run |" in check.table({"rows": [row]})  # a report from before the stamps
+    steady = {**row, "engine_busy_share_steady": True}
+    assert "busy share of the rollout windows, measured steps |" in check.table({"rows": [steady]})
 
 
 def test_the_clairvoyant_gain_is_what_launch_order_alone_adds_to_default(
