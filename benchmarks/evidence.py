@@ -303,7 +303,8 @@ def _peer_goals_and_hand_over(data: Mapping[str, Any]) -> str:
 
 def _peer_tail(data: Mapping[str, Any]) -> str:
     """The length-aware presets against v0 sync, per trained token (rollout phase, whole step), and what their windows
-    do to trained lengths; the goals against v1 and, where v1 overran in some rounds, the same over every round."""
+    do to trained lengths; the goals against v1, and beside one met on v1's kept rounds the same pairs with its
+    overran rounds too."""
     from benchmarks.bench_peer import (
         PRESETS_WINDOW,
         by_mode,
