@@ -36,6 +36,7 @@ from benchmarks.bench_peer import (
     MODES,
     by_mode,
     emulated_gpu,
+    kept_runs,
     merge_results,
     overran,
     prefix_cached,
@@ -224,8 +225,7 @@ def busy_share(results: dict[str, Any], engine: str, mode: str) -> tuple[list[fl
     every step from the cumulative counters, so it also counts the first step's start-up (the first round trip to the
     servers, seconds: in v0 sync's phase and, since ``bd29dc7``, in ours; v1 warms up outside its timers), and the
     counters, written every 200 engine steps, may miss a run's last few seconds."""
-    runs = [run for run in results["runs"]
-            if run.get("engine") == engine and run["mode"] == mode and not overran(run) and usable(run)]  # fmt: skip
+    runs = [run for run in kept_runs(results, engine) if run["mode"] == mode]
     steady = [window_busy_share(run, workload_of(results).first_measured) for run in runs]
     if runs and all(share is not None for share in steady):
         return [share for share in steady if share is not None], True

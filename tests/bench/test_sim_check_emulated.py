@@ -50,12 +50,17 @@ def test_every_override_a_peer_mode_gives_our_preset_is_what_the_simulator_runs(
             assert getattr(modes[name], field) == getattr(PRESETS[mode.partial], field), (name, field)
 
 
+H20 = {"cpu": {"overrides": ["+ray_kwargs.ray_init.runtime_env.env_vars.VERL_PARTIAL_EMULATE_GPU=H20/Qwen2.5-32B"]}}
+
+
 def test_the_busy_share_reads_every_step_of_usable_runs_that_fit(check: ModuleType) -> None:
     steps = {str(i): {"timing_s/gen": 2.0} for i in range(1, 4)}
     run = {"engine": "cpu", "mode": "default", "returncode": 0, "steps": steps,
            "engine_stats": [{"steps": 1000, "overruns": 0, "modelled_s": 4.5}]}  # fmt: skip
     overran = {**run, "engine_stats": [{"steps": 1000, "overruns": 50, "modelled_s": 6.0}]}
-    shares, steady = check.busy_share({"runs": [run, overran], "workload": {"lengths": {}}}, "cpu", "default")
+    shares, steady = check.busy_share(
+        {"runs": [run, overran], "workload": {"lengths": {}}, "engines": H20}, "cpu", "default"
+    )
     assert shares == pytest.approx([0.75]) and not steady  # no stamps: every step, start-up included
 
 
@@ -69,7 +74,7 @@ def test_the_busy_share_is_steady_where_every_run_carries_the_modelled_time(chec
     steps = {"1": {"timing_s/gen": 9.0}, "2": {"timing_s/gen": 2.0}, "3": {"timing_s/gen": 2.0}}
     run = {"engine": "cpu", "mode": "default", "returncode": 0, "steps": steps,
            "engine_stats": [{"steps": 1000, "overruns": 0, "modelled_s": 3.7, "marks": marks}]}  # fmt: skip
-    results = {"runs": [run], "workload": {"steps": 3, "lengths": {}}}
+    results = {"runs": [run], "workload": {"steps": 3, "lengths": {}}, "engines": H20}
     shares, steady = check.busy_share(results, "cpu", "default")
     assert steady and shares == pytest.approx([3.2 / 4.0])
     old = {**run, "engine_stats": [{**run["engine_stats"][0], "marks": [m[:3] for m in marks]}]}
