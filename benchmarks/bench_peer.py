@@ -567,6 +567,46 @@ def window_busy_share(run: dict[str, Any], first: int) -> float | None:
     return modelled / window if window > 0 and modelled > 0 else None
 
 
+def window_engine_work(run: dict[str, Any], first: int) -> tuple[float, float, float] | None:
+    """What the emulated GPU did in the rollout windows of the measured steps, per step: engine steps, modelled
+    seconds and the prefill's part of them (``CpuBatchedEngine.mark``). The same clock for every trainer, v1's
+    generation past its ``gen`` timer included and its work after the last measured step left out, where the
+    whole-run counters include both. None where a stamp lacks these fields (runs stored before them)."""
+    steps = _stamped_steps(run, first)
+    if steps is None or any(len(mark) < 6 for marks in steps for mark in marks):
+        return None
+    totals = [sum(float(sleep[i]) - float(start[i]) for start, sleep, _ in steps) / len(steps) for i in (5, 3, 4)]
+    return totals[0], totals[1], totals[2]
+
+
+def engine_work(results: dict[str, Any], engine: str) -> str | None:
+    """Per mode, the emulated GPU's work in the rollout windows per trained token (:func:`window_engine_work`):
+    engine steps, modelled time and the prefill's share of it (a parked answer's whole sequence is prefilled again
+    after each weight sync, so partial rollout trades prefill for the slots sync leaves idle). For the report and
+    benchmarks/README, not the evidence page; None where no run has the stamps."""
+    wl, runs = workload_of(results), kept_runs(results, engine)
+    rows = []
+    for name in [m for m in MODES if any(run["mode"] == m for run in runs)]:
+        cells: list[tuple[float, float, float]] = []
+        for run in (run for run in runs if run["mode"] == name):
+            work, run_figures = window_engine_work(run, wl.first_measured), figures(run, wl)
+            if work is not None and run_figures is not None and run_figures.tokens_trained > 0:
+                steps, modelled, prefill = work
+                tokens = run_figures.tokens_trained
+                cells.append((1e3 * steps / tokens, 1e3 * modelled / tokens, prefill / modelled))
+        if cells:
+            columns = zip(*cells, strict=True)
+            text = [spread(list(column), digits) for column, digits in zip(columns, (1, 3, 3), strict=True)]
+            rows.append(f"| {MODES[name].label} | {len(cells)} | " + " | ".join(text) + " |")
+    if not rows:
+        return None
+    head = ["| mode | rounds | engine steps / 1k trained tokens | modelled engine ms / trained token | prefill's share "
+            "of it |", "|---|---:|---:|---:|---:|"]  # fmt: skip
+    caption = ("The emulated GPU's work in the measured steps' rollout windows (engine stamps; mean, min-max over "
+               "rounds):")  # fmt: skip
+    return "\n".join([caption, "", *head, *rows])
+
+
 def figures(run: dict[str, Any], wl: Workload, gpu: EmulatedGpu | None = None) -> RunFigures | None:
     """The run's steady-state figures; None for a failed or rejected run, or one with no measured step."""
     steps = measured_steps(run, wl.first_measured)
@@ -1356,6 +1396,7 @@ def main(argv: list[str] | None = None) -> None:
                                             for engine in engines),
                          *(fixed_costs(results, engine) for engine in engines),
                          *filter(None, (floor_gap(results, engine) for engine in engines)),
+                         *filter(None, (engine_work(results, engine) for engine in engines)),
                          *filter(None, (length_windows(results, engine) for engine in engines))])  # fmt: skip
     verdicts = "\n\n".join(goals(results, engine) for engine in engines)
     print(text + "\n\n" + verdicts)

@@ -82,6 +82,13 @@ def _generate(model, spec: ServerSpec, prompts: list[list[int]], max_tokens: int
         return wall
 
     wall = asyncio.run(run())
+    # The engine also asks for each prefilling step's time without its prefill (``modelled_prefill_s``): the call right
+    # after that step's, with its decodes and context and nothing prefilled. It is not a step.
+    shapes = [
+        shape
+        for i, shape in enumerate(shapes)
+        if not (i and shape[2:] == (0, 0.0) and shapes[i - 1][2] and shapes[i - 1][:2] == shape[:2])
+    ]
     return engine.stats, wall, [spec.step_seconds(*shape) for shape in shapes], shapes
 
 
@@ -93,6 +100,10 @@ def test_a_step_lasts_the_modelled_time(tiny_model):
     assert shapes[1] == (2, 3 + 4 + 2, 0, 0.0)
     assert stats.overruns == 0 and stats.overrun_s == 0
     assert stats.modelled_s == pytest.approx(sum(modelled))
+    # The prefill's part: what the first step costs beyond the same step without its 7 prompt tokens; the decodes add
+    # none.
+    prefill = SLOW_GPU.step_seconds(*shapes[0]) - SLOW_GPU.step_seconds(0, 0.0, 0, 0.0)
+    assert stats.modelled_prefill_s == pytest.approx(prefill) and 0 < prefill < stats.modelled_s
     assert stats.compute_s < stats.modelled_s
     # Each step sleeps the rest of its modelled time: the run lasts at least the modelled total, and no step much
     # longer (a ratio, not a machine's seconds: the modelled steps are ~0.9 s each).
@@ -275,8 +286,11 @@ def test_a_server_started_with_the_drivers_env_runs_the_modelled_engine(demo_ass
     assert stats["modelled_s"] == pytest.approx(expected)
     # What a benchmark reads under any trainer (verl's own never ask): the same counters, written as the loop ended.
     written = json.loads((tmp_path / "engine-0.json").read_text())
-    ((event, step, _, modelled),) = written.pop("marks")
-    assert (event, step, modelled) == ("sleep", 0, pytest.approx(expected))  # every step ran before the stamp
+    ((event, step, _, modelled, prefill, steps),) = written.pop("marks")
+    # every step ran before the stamp; the prefill's part is the first step's beyond a step without it
+    prefilled = spec.step_seconds(0, 0.0, 3, 4.5) - spec.step_seconds(0, 0.0, 0, 0.0)
+    assert (event, step, modelled, steps) == ("sleep", 0, pytest.approx(expected), 4)
+    assert prefill == pytest.approx(prefilled) == pytest.approx(stats["modelled_prefill_s"])
     assert written == {key: stats[key] for key in written} and written["steps"] == 4
 
 

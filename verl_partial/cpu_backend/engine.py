@@ -134,7 +134,9 @@ class EngineStats:
     (``backend.emulate_gpu``): ``modelled_s`` is the modelled time of the steps, ``compute_s`` the real compute
     inside them, ``overruns`` the steps whose compute took longer than modelled (they last their compute time) and
     ``overrun_s`` by how much in all: what a benchmark weighs when it decides whether an emulated run still stands
-    for its GPU.
+    for its GPU; ``modelled_prefill_s`` the part of ``modelled_s`` the steps' prefill added (each step's modelled
+    time less that of the same step without its prefill), so a benchmark can tell the prefill partial rollout adds
+    (a parked answer's whole sequence again, after a weight sync) from the decode every trainer pays.
     With a KV-cache capacity: ``preemptions`` counts running requests sent back to the queue to make room; their
     re-prefill is in ``prefill_tokens``. With a prefix cache (``prefix_caching``): ``cached_tokens`` counts the
     joiners' tokens found cached, which ``prefill_tokens`` leaves out.
@@ -153,6 +155,7 @@ class EngineStats:
     compute_s: float = 0.0
     overruns: int = 0
     overrun_s: float = 0.0
+    modelled_prefill_s: float = 0.0
     preemptions: int = 0
 
 
@@ -342,8 +345,9 @@ class CpuBatchedEngine:
         self._requests: dict[str, EngineRequest] = {}  # unfinished requests, waiting or running
         self._paused = False
         self._stats = EngineStats()
-        # ``mark``: (event, trainer step, wall-clock seconds, modelled engine seconds so far)
-        self._marks: list[tuple[str, int | None, float, float]] = []
+        # ``mark``: (event, trainer step, wall-clock seconds, then so far: modelled engine seconds, the prefill's part
+        # of them, engine steps)
+        self._marks: list[tuple[str, int | None, float, float, float, int]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
         self._wakeup: asyncio.Event | None = None
@@ -403,9 +407,11 @@ class CpuBatchedEngine:
         rollout is over, so these stamps time each one's step cycle and rollout window the same way from the engine's
         side, where the trainers' own timers differ: verl's v1 resumes generation inside ``update_weights`` and
         generates on while its driver logs the step, before its next ``gen`` timer starts. Each stamp also carries the
-        modelled engine time so far (``stats.modelled_s``), so the share of a rollout window the emulated GPU was busy
-        is exact for every trainer, its steady steps apart from its start-up."""
-        self._marks.append((event, step, time.time(), self._stats.modelled_s))
+        modelled engine time so far (``stats.modelled_s``), its prefill's part and the engine steps, so the share of a
+        rollout window the emulated GPU was busy, and what it was busy with, are exact for every trainer, its steady
+        steps apart from its start-up."""
+        stats = self._stats
+        self._marks.append((event, step, time.time(), stats.modelled_s, stats.modelled_prefill_s, stats.steps))
         if self.stats_file is not None:
             self.write_stats()
 
@@ -604,11 +610,14 @@ class CpuBatchedEngine:
 
     async def _emulated_step(self, loop: asyncio.AbstractEventLoop, plan: _StepPlan) -> tuple[list[int], list[float]]:
         """The real forward in the worker thread, then idle until the modelled step time has passed."""
-        modelled = self.step_time(*plan.shape())
+        decodes, context, prefill, pairs = plan.shape()
+        modelled = self.step_time(decodes, context, prefill, pairs)
         began = time.perf_counter()
         result = await loop.run_in_executor(self._executor, self._execute, plan)
         compute = time.perf_counter() - began
         self._stats.modelled_s += modelled
+        if prefill:
+            self._stats.modelled_prefill_s += modelled - self.step_time(decodes, context, 0, 0.0)
         self._stats.compute_s += compute
         if compute > modelled:
             self._stats.overruns += 1
