@@ -451,3 +451,22 @@ def test_the_busy_share_of_the_rollout_window_comes_from_the_stamps_modelled_tim
     stored_before = _stamped(run, [mark[:3] for mark in marks])
     assert peer.window_busy_share(stored_before, 2) is None
     assert peer.stamped_seconds(stored_before, 2) == peer.stamped_seconds(run, 2)  # the clock figures are unchanged
+
+
+def test_the_engine_work_per_trained_token_comes_from_the_stamps_of_the_measured_windows(peer: ModuleType) -> None:
+    """Engine steps, modelled seconds and the prefill's part, between each measured window's weight load and sleep:
+    step 1's start-up and the work after a window's sleep (v1 generating on past its timers) are left out. Stamps
+    stored before the prefill and step fields give no figure, and the report then has no such table."""
+    marks = [["weights", 0, 0.0, 0.0, 0.0, 0], ["sleep", 0, 90.0, 3.0, 1.0, 50],
+             ["weights", 1, 100.0, 3.5, 1.1, 70], ["sleep", 1, 103.0, 6.5, 1.4, 200],
+             ["weights", 2, 110.0, 7.0, 1.4, 230], ["sleep", 2, 115.0, 12.0, 2.5, 500],
+             ["weights", 3, 121.0, 12.0, 2.5, 500]]  # fmt: skip
+    run = _stamped(_run("default", gen_s=2.0, step_s=5.0, mean_length=50.0), marks)
+    steps, modelled, prefill = peer.window_engine_work(run, 2)
+    assert (steps, modelled, prefill) == (pytest.approx((130 + 270) / 2), pytest.approx(4.0), pytest.approx(0.7))
+    results = {"workload": dataclasses.asdict(peer.Workload(steps=3)), "runs": [{**run, "engine": "cpu"}]}
+    # 3,200 trained tokens a step: 62.5 engine steps per 1k of them, 1.25 modelled ms each, 17.5 % of it prefill
+    assert peer.engine_work(results, "cpu").endswith("| 1 | 62.5 | 1.250 | 0.175 |")
+    stored_before = _stamped(run, [mark[:4] for mark in marks])
+    assert peer.window_engine_work(stored_before, 2) is None
+    assert peer.engine_work({**results, "runs": [{**stored_before, "engine": "cpu"}]}, "cpu") is None
