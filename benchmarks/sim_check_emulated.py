@@ -38,9 +38,7 @@ from benchmarks.bench_peer import (
     emulated_gpu,
     kept_runs,
     merge_results,
-    overran,
     prefix_cached,
-    usable,
     window_busy_share,
     workload_of,
 )
@@ -108,13 +106,11 @@ def _engine_figures(busy_s: float, steps: int, decoded: int, prefilled: int, tra
 
 
 def measured_engine(results: dict[str, Any], engine: str, mode: str) -> list[dict[str, float]]:
-    """Per usable run, :data:`ENGINE_FIGURES` from the emulated engine's counters (its modelled time, not the
-    overruns: both sides then share one step-time model)."""
+    """Per run that gives figures (:func:`~benchmarks.bench_peer.kept_runs`), :data:`ENGINE_FIGURES` from the
+    emulated engine's counters (its modelled time, not the overruns: both sides then share one step-time model)."""
     out = []
     wl = workload_of(results)
-    for run in results["runs"]:
-        if run.get("engine") != engine or run["mode"] != mode or overran(run) or not usable(run):
-            continue
+    for run in (run for run in kept_runs(results, engine) if run["mode"] == mode):
         stats = run.get("engine_stats") or []
         trained = sum(float(step["response_length/mean"]) for step in run["steps"].values()) * wl.prompts * wl.n
         if stats and trained > 0:

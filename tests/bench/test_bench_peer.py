@@ -470,3 +470,29 @@ def test_the_engine_work_per_trained_token_comes_from_the_stamps_of_the_measured
     stored_before = _stamped(run, [mark[:4] for mark in marks])
     assert peer.window_engine_work(stored_before, 2) is None
     assert peer.engine_work({**results, "runs": [{**stored_before, "engine": "cpu"}]}, "cpu") is None
+
+
+def test_every_mode_gets_its_phase_over_the_floor_of_its_own_batches(peer: ModuleType) -> None:
+    """verl's trainers log no engine steps per phase, so their row gives the floor and the phase over it without the
+    split; ours give the split, whose product is the same figure. The floors differ where the batches do."""
+    wl = peer.Workload(steps=3)
+    gpu = peer.EmulatedGpu.parse("H200-SXM/Qwen2.5-32B")
+    ours = _run("default", gen_s=2.2, step_s=3.0, mean_length=50.0, **{"partial/engine/steps": 120.0})
+    ours["engine_stats"] = [{"modelled_s": 30.0, "steps": 1500, "overruns": 0}]
+    theirs = _run("v1_async_bound", gen_s=2.6, step_s=3.5, mean_length=50.0)
+    theirs["engine_stats"] = ours["engine_stats"]
+    theirs["steps"]["2"] = {**theirs["steps"]["2"], "response_length/max": 250.0}  # one longer answer in a step
+    override = "+ray_kwargs.ray_init.runtime_env.env_vars.VERL_PARTIAL_EMULATE_GPU=H200-SXM/Qwen2.5-32B"
+    results = {"workload": dataclasses.asdict(wl), "engines": {"cpu": {"overrides": [override]}},
+               "runs": [{**run, "engine": "cpu"} for run in (ours, theirs)]}  # fmt: skip
+    assert peer.emulated_gpu(results, "cpu") == gpu
+    rows = {line.split(" | ")[0][3:-1]: line.split(" | ")[1:] for line in peer.floor_gap(results, "cpu").splitlines()
+            if line.startswith("| `")}  # fmt: skip
+    floors = {run["mode"]: peer.staleness_floor(run, wl, gpu) for run in (ours, theirs)}
+    assert floors["v1_async_bound"] > floors["default"]
+    for mode, gen_s in (("default", 2.2), ("v1_async_bound", 2.6)):
+        assert rows[mode][1] == f"{1e3 * floors[mode] / 3200:.3f}"
+        assert rows[mode][-1].rstrip(" |") == f"{gen_s / floors[mode]:.3f}"
+    assert rows["v1_async_bound"][2:5] == ["-", "-", "-"]
+    steps_over, step_cost_over, phase_over = peer.floor_factors(ours, wl, gpu)
+    assert rows["default"][2:5] == [f"{steps_over:.3f}", f"{step_cost_over:.3f}", f"{phase_over:.3f}"]
