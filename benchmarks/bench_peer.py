@@ -579,25 +579,30 @@ def window_engine_work(run: dict[str, Any], first: int) -> tuple[float, float, f
     return totals[0], totals[1], totals[2]
 
 
+def engine_work_by_mode(results: dict[str, Any], engine: str) -> dict[str, list[tuple[float, float, float]]]:
+    """Per mode, round by round, the emulated GPU's work in the rollout windows per trained token
+    (:func:`window_engine_work`): engine steps per 1k, modelled ms, and the prefill's share of that time (a parked
+    answer's whole sequence is prefilled again after each weight sync, so partial rollout trades prefill for the
+    slots sync leaves idle). Modes without stamped runs are left out."""
+    wl, out = workload_of(results), {}
+    for run in kept_runs(results, engine):
+        work, run_figures = window_engine_work(run, wl.first_measured), figures(run, wl)
+        if work is not None and run_figures is not None and run_figures.tokens_trained > 0:
+            steps, modelled, prefill = work
+            tokens = run_figures.tokens_trained
+            out.setdefault(run["mode"], []).append((1e3 * steps / tokens, 1e3 * modelled / tokens, prefill / modelled))
+    return out
+
+
 def engine_work(results: dict[str, Any], engine: str) -> str | None:
-    """Per mode, the emulated GPU's work in the rollout windows per trained token (:func:`window_engine_work`):
-    engine steps, modelled time and the prefill's share of it (a parked answer's whole sequence is prefilled again
-    after each weight sync, so partial rollout trades prefill for the slots sync leaves idle). For the report and
-    benchmarks/README, not the evidence page; None where no run has the stamps."""
-    wl, runs = workload_of(results), kept_runs(results, engine)
+    """:func:`engine_work_by_mode` as a table, for the report and benchmarks/README; None where no run has the
+    stamps."""
+    work = engine_work_by_mode(results, engine)
     rows = []
-    for name in [m for m in MODES if any(run["mode"] == m for run in runs)]:
-        cells: list[tuple[float, float, float]] = []
-        for run in (run for run in runs if run["mode"] == name):
-            work, run_figures = window_engine_work(run, wl.first_measured), figures(run, wl)
-            if work is not None and run_figures is not None and run_figures.tokens_trained > 0:
-                steps, modelled, prefill = work
-                tokens = run_figures.tokens_trained
-                cells.append((1e3 * steps / tokens, 1e3 * modelled / tokens, prefill / modelled))
-        if cells:
-            columns = zip(*cells, strict=True)
-            text = [spread(list(column), digits) for column, digits in zip(columns, (1, 3, 3), strict=True)]
-            rows.append(f"| {MODES[name].label} | {len(cells)} | " + " | ".join(text) + " |")
+    for name in (name for name in MODES if name in work):
+        columns = zip(*work[name], strict=True)
+        text = [spread(list(column), digits) for column, digits in zip(columns, (1, 3, 3), strict=True)]
+        rows.append(f"| {MODES[name].label} | {len(work[name])} | " + " | ".join(text) + " |")
     if not rows:
         return None
     head = ["| mode | rounds | engine steps / 1k trained tokens | modelled engine ms / trained token | prefill's share "

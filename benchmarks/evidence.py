@@ -169,9 +169,10 @@ def _peer_goals(data: Mapping[str, Any]) -> str:
 
 def _peer_goals_measured(data: Mapping[str, Any]) -> str:
     """The goals with their figures, then the whole step of ``default`` and its capped or uncapped variants against
-    verl's trainers (and, where our engine stamped them, their step cycles on the wall clock against v1) and every
-    mode's slot occupancy: a figure shown without its table."""
-    from benchmarks.bench_peer import by_mode, goal_outcomes, ratios, speedup
+    verl's trainers (and, where our engine stamped them, their step cycles on the wall clock against v1), every
+    mode's slot occupancy and, where the stamps carry it, the prefill's share of the emulated GPU's time (the price
+    of resuming parked answers after a weight sync): figures shown without their table."""
+    from benchmarks.bench_peer import by_mode, engine_work_by_mode, goal_outcomes, ratios, speedup
 
     engine = _peer_engine(data)
     runs = by_mode(dict(data), engine)
@@ -186,13 +187,20 @@ def _peer_goals_measured(data: Mapping[str, Any]) -> str:
     steps = ", ".join(f"`{ours}` vs {base} {speedup(runs[base], runs[ours], 'step')}" for ours, base in shown)
     # Our engine's stamps (bench_peer.stamped_seconds), where the runs carry them: one clock for every trainer, where
     # v1's timers leave out what it generates between them (v0 sync's whole step is its cycle already).
+    # A wall-clock figure that reads as its whole-step twin is not shown twice.
     clocks = [
         f"`{ours}` vs {base} {speedup(runs[base], runs[ours], 'cycle')}"
         for ours, base in shown
-        if base.startswith("v1") and ratios(runs[base], runs[ours], "cycle")
+        if base.startswith("v1")
+        and ratios(runs[base], runs[ours], "cycle")
+        and speedup(runs[base], runs[ours], "cycle") != speedup(runs[base], runs[ours], "step")
     ]
     stamped = f"; wall clock: {', '.join(clocks)}" if clocks else ""
-    return f"{goals}; whole step: {steps}{stamped}; slot occupancy {_occupancy(runs)}"
+    work = engine_work_by_mode(dict(data), engine)
+    rounds = {len(values) for values in work.values()}
+    shares = ", ".join(f"{name} {statistics.fmean(share for *_, share in values):.2f}" for name, values in work.items())
+    prefill = f"; prefill share of engine time ({'/'.join(map(str, sorted(rounds)))} rounds) {shares}"
+    return f"{goals}; whole step: {steps}{stamped}; slot occupancy {_occupancy(runs)}{prefill if work else ''}"
 
 
 def _peer_engine(data: Mapping[str, Any]) -> str:
@@ -428,7 +436,7 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="lc-default-corrected",
-        claim="the same with `+rollout_correction=seq_is_rs` on both (the guide's advice)",
+        claim="the same with `+rollout_correction=seq_is_rs` on both",
         source="learning_curves_default_seq_is_rs.json",
         label="measured",
         value=_default_curves,
@@ -453,7 +461,7 @@ FIGURES: tuple[Figure, ...] = (
         claim="verl's trainers on our CPU engine emulating 32B on one H20 behind vLLM's prefix cache; `default`: "
         "`partial.max_calls_per_server=auto`, the H20's knee (26 calls per server); `default_uncapped`: 512, the old "
         "default; goals per trained token, by round; ceiling: the most any colocated schedule at staleness "
-        "<= 1 reaches on the batches our presets trained, not on regrouped ones",
+        "<= 1 reaches on our presets' batches, not regrouped ones",
         source="peer_emulated_prefix.json",
         label="emulated",
         value=_peer_goals_measured,

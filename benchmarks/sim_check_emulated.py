@@ -320,7 +320,10 @@ def _busy_scope(report: dict[str, Any]) -> str:
 
 
 def _miss(miss: float | None) -> str:
-    return "-" if miss is None else f"{miss:+.0%}" + ("" if abs(miss) <= TOLERANCE else " (over 10 %)")
+    """The miss in whole percent; one that rounds to 0 reads "+0%", never "-0%"."""
+    if miss is None:
+        return "-"
+    return f"{miss:+.0%}".replace("-0%", "+0%") + ("" if abs(miss) <= TOLERANCE else " (over 10 %)")
 
 
 def engine_table(report: dict[str, Any]) -> list[str]:
