@@ -197,17 +197,26 @@ def predict(results: dict[str, Any], engine: str, prompt_len: int, prefix_cache:
     return out, bounds, engines
 
 
-def clairvoyant_gain(
-    results: dict[str, Any], engine: str, prompt_len: int, prefix_cache: bool, fifo: list[float]
+#: What-ifs of :func:`what_if_gain`: the report key of each, and what it changes (``simulate`` options, server spec).
+WHAT_IFS: dict[str, tuple[str, dict[str, bool], dict[str, bool]]] = {
+    "clairvoyant": ("clairvoyant_launch_gain", {"clairvoyant": True}, {}),
+    "keep_cache": ("cache_kept_gain", {}, {"keep_cache_on_update": True}),
+}
+
+
+def what_if_gain(
+    results: dict[str, Any], engine: str, prompt_len: int, prefix_cache: bool, fifo: list[float], what_if: str
 ) -> list[float]:
     """Per seed, ``default``'s simulated rollout ms per trained token (``fifo``: :func:`predict`'s, with the same
-    ``prefix_cache``) over the same run's with launches ordered by the answers' true remaining lengths, longest first
-    (``simulate(clairvoyant=True)``): what launch order alone could add, knowing what no scheduler knows. 1.0 where
-    no sample ever waits to be launched (the engines hold every sample admitted)."""
-    spec = _server(results, engine, prefix_cache)
+    ``prefix_cache``) over the same run's under a what-if no verl scheduler or server runs. ``clairvoyant``: launches
+    ordered by the answers' true remaining lengths, longest first (``simulate(clairvoyant=True)``), what launch order
+    alone could add (1.0 where no sample ever waits to be launched). ``keep_cache``: the prefix cache survives the
+    weight sync (``ServerSpec.keep_cache_on_update``), what re-prefilling parked answers after it costs."""
+    _, options, spec_changes = WHAT_IFS[what_if]
+    spec = dataclasses.replace(_server(results, engine, prefix_cache), **spec_changes)
     config = as_run(sim_configs(workload_of(results).prompts)["default"], results, "default")
     return [
-        ms / _ms_per_token(_simulate(results, config, spec, prompt_len, seed, clairvoyant=True)[1])
+        ms / _ms_per_token(_simulate(results, config, spec, prompt_len, seed, **options)[1])
         for ms, seed in zip(fifo, SEEDS, strict=True)
     ]
 
@@ -238,9 +247,9 @@ def spread(values: list[float]) -> str:
     return f"{statistics.fmean(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
-def compare(results: dict[str, Any], engine: str, prompt_len: int, clairvoyant: bool = False) -> dict[str, Any]:
-    """Predicted beside measured for every mode, the ceiling, and with ``clairvoyant`` the what-if of
-    :func:`clairvoyant_gain`."""
+def compare(results: dict[str, Any], engine: str, prompt_len: int, what_ifs: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Predicted beside measured for every mode, the ceiling, and each of ``what_ifs`` (:func:`what_if_gain`) where
+    a ``default`` run is there to change."""
     cached = prefix_cached(results, engine)
     predicted, bounds, with_cache = predict(results, engine, prompt_len)
     as_engine, _, without_cache = predict(results, engine, prompt_len, prefix_cache=False)
@@ -270,11 +279,11 @@ def compare(results: dict[str, Any], engine: str, prompt_len: int, clairvoyant: 
         "seeds": list(SEEDS),
         "rows": rows,
         "ceiling_vs_sync": bounds,
-        **(
-            {"clairvoyant_launch_gain": clairvoyant_gain(results, engine, prompt_len, cached, simulated_ms["default"])}
-            if clairvoyant and "default" in simulated_ms
-            else {}
-        ),
+        **{
+            WHAT_IFS[what_if][0]: what_if_gain(results, engine, prompt_len, cached, simulated_ms["default"], what_if)
+            for what_if in what_ifs
+            if "default" in simulated_ms
+        },
     }
 
 
@@ -356,9 +365,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-len", type=int, required=True, help="the benchmark's mean prompt tokens")
     parser.add_argument("--json", type=Path, help="write the comparison here")
     parser.add_argument("--clairvoyant", action="store_true", help="also what launch order alone could add to default")
+    parser.add_argument("--keep-cache", action="store_true",
+                        help="also what default would gain if the prefix cache survived the weight sync")  # fmt: skip
     args = parser.parse_args(argv)
     results = merge_results(args.peer)
-    report = compare(results, args.engine, args.prompt_len, args.clairvoyant)
+    what_ifs = tuple(name for name, on in (("clairvoyant", args.clairvoyant), ("keep_cache", args.keep_cache)) if on)
+    report = compare(results, args.engine, args.prompt_len, what_ifs)
     report.update(
         command="python -m benchmarks.sim_check_emulated " + " ".join(sys.argv[1:] if argv is None else argv),
         machine=machine(),

@@ -129,26 +129,39 @@ def test_the_clairvoyant_gain_is_what_launch_order_alone_adds_to_default(
     above the 64 samples the slots admit, so nothing waits; nothing unless asked for, or without a ``default`` run."""
     peer = bench_module("bench_peer")
 
-    def results(gpu: str, mode: str = "default") -> dict:
+    def results(gpu: str, mode: str = "default", prefix_caching: bool = False) -> dict:
         knee = {"partial/server_load/calls_knee": 1.0}  # the runs had ``auto``
         override = f"+ray_kwargs.ray_init.runtime_env.env_vars.VERL_PARTIAL_EMULATE_GPU={gpu}/Qwen2.5-32B"
         return {
             "workload": dataclasses.asdict(peer.Workload(steps=4)),
-            "runs": [{"mode": mode, "steps": {"1": knee}}],
+            "runs": [
+                {
+                    "mode": mode,
+                    "engine": "cpu",
+                    "steps": {"1": knee},
+                    "engine_stats": [{"prefix_caching": prefix_caching}],
+                }
+            ],
             "engines": {"cpu": {"label": "emulated", "overrides": [override]}},
         }
 
-    def gain(gpu: str) -> list[float]:
-        report = check.compare(results(gpu), "cpu", 31, clairvoyant=True)
-        fifo = check.predict(results(gpu), "cpu", 31)[0]["default"]
-        assert report["rows"][0]["predicted"] == fifo  # the fifo runs are predict's, not simulated again
-        return report["clairvoyant_launch_gain"]
+    def gain(gpu: str, what_if: str = "clairvoyant", prefix_caching: bool = False) -> list[float]:
+        report = check.compare(results(gpu, prefix_caching=prefix_caching), "cpu", 31, (what_if,))
+        fifo = check.predict(results(gpu), "cpu", 31, prefix_cache=prefix_caching)[0]["default"]
+        # the fifo runs are predict's, as the runs had the prefix cache, not simulated again
+        assert report["rows"][0][check.like_for_like(report)[0]] == fifo
+        return report[check.WHAT_IFS[what_if][0]]
 
     h20 = gain("H20")
     assert len(h20) == len(check.SEEDS) and min(h20) >= 1.0 and max(h20) > 1.0
     assert gain("H200-SXM") == [1.0] * len(check.SEEDS)
-    assert "clairvoyant_launch_gain" not in check.compare(results("H20", mode="v0_sync"), "cpu", 31, clairvoyant=True)
+    assert "clairvoyant_launch_gain" not in check.compare(results("H20", mode="v0_sync"), "cpu", 31, ("clairvoyant",))
     assert "clairvoyant_launch_gain" not in check.compare(results("H20"), "cpu", 31)
+    # A prefix cache that outlived the weight sync would spare every resumed answer its re-prefill: on the
+    # compute-bound H20 that is faster in every seed. Without a prefix cache (runs that had none) there is nothing
+    # to keep.
+    assert min(gain("H20", "keep_cache", prefix_caching=True)) > 1.0
+    assert gain("H20", "keep_cache") == [1.0] * len(check.SEEDS)
 
 
 def test_a_run_over_several_epochs_is_simulated_with_the_benchmarks_epoch_correlation(

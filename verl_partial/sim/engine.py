@@ -62,6 +62,11 @@ class ServerSpec:
     on the same weights keeps what it held. ``False`` prefills every request's whole context, as our emulated engine
     does with ``rollout.enable_prefix_caching=false`` (and did before it modelled the cache), for checking the
     simulator against such runs.
+    ``keep_cache_on_update``: a what-if no verl server runs (verl clears the cache at the abort, after the weight
+    update and on wake-up): the cache survives the weight update, so a resumed sample prefills only the part of its
+    last block its earlier segment left, decoding on over keys and values of older weights (vLLM's pause mode "keep",
+    where the engine is not put to sleep). It prices what the re-prefill after a weight sync costs partial rollout.
+    The cache is not evicted in either case.
     """
 
     gpu: GpuSpec
@@ -74,6 +79,7 @@ class ServerSpec:
     max_num_batched_tokens: int = 8192
     step_overhead_s: float = 0.0
     prefix_cache: bool = True
+    keep_cache_on_update: bool = False
 
     def __post_init__(self) -> None:
         if self.kv_capacity_tokens < 1:
@@ -284,10 +290,12 @@ class SimServer:
         self.gate_open = True
 
     def update_weights(self) -> None:
-        """New policy weights: every cached block is stale (vLLM resets its prefix cache on weight sync)."""
+        """New policy weights: every cached block is stale (vLLM resets its prefix cache on weight sync), unless the
+        what-if ``ServerSpec.keep_cache_on_update`` keeps it."""
         if self.running or self.prefilling or self.waiting:
             raise RuntimeError(f"{self.name}: weight update with requests in flight")
-        self.cache.clear()
+        if not self.spec.keep_cache_on_update:
+            self.cache.clear()
 
     # ------------------------------------------------------------------ event handling
     def _poke(self) -> None:
