@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import dataclasses
 import re
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import verl
 
 from verl_partial.core.engines.prefix_cache import BLOCK_TOKENS
 from verl_partial.core.partial.finish import Finish
@@ -362,3 +364,42 @@ def test_a_samples_length_carries_over_epochs_with_the_stated_correlation():
         assert np.median(np.exp(second)) == pytest.approx(1000, rel=0.06)
     with pytest.raises(ValueError, match="sample_epoch_corr"):
         Workload(batch=1, n=1, p50=1, p99_over_p50=8, response_length=8, sample_epoch_corr=1.5)
+
+
+def _functions(path: Path) -> dict[str, list[ast.AsyncFunctionDef | ast.FunctionDef]]:
+    """Every function and method in a source file, by name (several classes may define one)."""
+    found: dict[str, list[ast.AsyncFunctionDef | ast.FunctionDef]] = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            found.setdefault(node.name, []).append(node)
+    return found
+
+
+def _calls(function: ast.AST) -> set[str]:
+    """Every attribute named in what ``function`` calls (``self.handle.clear_kv_cache.remote()``: both names)."""
+    called = (node.func for node in ast.walk(function) if isinstance(node, ast.Call))
+    return {node.attr for func in called for node in ast.walk(func) if isinstance(node, ast.Attribute)}
+
+
+def test_verls_vllm_server_clears_the_prefix_cache_where_keep_cache_on_update_says():
+    """What ``ServerSpec.keep_cache_on_update`` (a what-if) and the docs say verl does, read from verl 0.9.1's own
+    source (imported files would need vLLM): the cache is cleared after a weight update (``clear_kv_cache``, which
+    resets vLLM's prefix cache), at the abort (``abort_all_requests``' ``reset_prefix_cache`` defaults to true) and on
+    wake-up, so no verl server keeps what a parked answer had computed."""
+    package = Path(verl.__file__).parent / "workers" / "rollout" / "vllm_rollout"
+    rollout, server = _functions(package / "vllm_rollout.py"), _functions(package / "vllm_async_server.py")
+    assert all("clear_kv_cache" in _calls(update) for update in rollout["update_weights"])
+    assert all("reset_prefix_cache" in _calls(clear) for clear in server["clear_kv_cache"])
+    assert all("reset_prefix_cache" in _calls(wake) for wake in server["wake_up"])
+    # vLLM's abort (the server of the two ``abort_all_requests`` that takes the flag): on by default, and handed to
+    # vLLM's ``pause_generation`` as ``clear_cache``.
+    (abort,) = [f for f in server["abort_all_requests"] if "reset_prefix_cache" in _defaults(f)]
+    assert _defaults(abort)["reset_prefix_cache"] is True
+    handed = [k for node in ast.walk(abort) if isinstance(node, ast.Call) for k in node.keywords]
+    assert any(k.arg == "clear_cache" and getattr(k.value, "id", None) == "reset_prefix_cache" for k in handed)
+
+
+def _defaults(function: ast.AsyncFunctionDef | ast.FunctionDef) -> dict[str, object]:
+    """A function's positional parameters with defaults, by name, as literals."""
+    named = function.args.args[len(function.args.args) - len(function.args.defaults) :]
+    return {arg.arg: ast.literal_eval(default) for arg, default in zip(named, function.args.defaults, strict=True)}
