@@ -575,8 +575,11 @@ def window_engine_work(run: dict[str, Any], first: int) -> tuple[float, float, f
     steps = _stamped_steps(run, first)
     if steps is None or any(len(mark) < 6 for marks in steps for mark in marks):
         return None
-    totals = [sum(float(sleep[i]) - float(start[i]) for start, sleep, _ in steps) / len(steps) for i in (5, 3, 4)]
-    return totals[0], totals[1], totals[2]
+
+    def per_step(field: int) -> float:
+        return sum(float(sleep[field]) - float(start[field]) for start, sleep, _ in steps) / len(steps)
+
+    return per_step(5), per_step(3), per_step(4)
 
 
 def engine_work_by_mode(results: dict[str, Any], engine: str) -> dict[str, list[tuple[float, float, float]]]:

@@ -196,11 +196,12 @@ def _peer_goals_measured(data: Mapping[str, Any]) -> str:
         and speedup(runs[base], runs[ours], "cycle") != speedup(runs[base], runs[ours], "step")
     ]
     stamped = f"; wall clock: {', '.join(clocks)}" if clocks else ""
-    work = engine_work_by_mode(dict(data), engine)
-    rounds = {len(values) for values in work.values()}
-    shares = ", ".join(f"{name} {statistics.fmean(share for *_, share in values):.2f}" for name, values in work.items())
-    prefill = f"; prefill share of engine time ({'/'.join(map(str, sorted(rounds)))} rounds) {shares}"
-    return f"{goals}; whole step: {steps}{stamped}; slot occupancy {_occupancy(runs)}{prefill if work else ''}"
+    prefill = ""
+    if work := engine_work_by_mode(dict(data), engine):
+        rounds = "/".join(str(n) for n in sorted({len(values) for values in work.values()}))
+        shares = ", ".join(f"{name} {statistics.fmean(s for *_, s in values):.2f}" for name, values in work.items())
+        prefill = f"; prefill share of engine time ({rounds} rounds) {shares}"
+    return f"{goals}; whole step: {steps}{stamped}; slot occupancy {_occupancy(runs)}{prefill}"
 
 
 def _peer_engine(data: Mapping[str, Any]) -> str:

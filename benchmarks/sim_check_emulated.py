@@ -332,7 +332,8 @@ def _miss(miss: float | None) -> str:
     """The miss in whole percent; one that rounds to 0 reads "+0%", never "-0%"."""
     if miss is None:
         return "-"
-    return f"{miss:+.0%}".replace("-0%", "+0%") + ("" if abs(miss) <= TOLERANCE else " (over 10 %)")
+    text = f"{miss:+.0%}"
+    return ("+0%" if text == "-0%" else text) + ("" if abs(miss) <= TOLERANCE else " (over 10 %)")
 
 
 def engine_table(report: dict[str, Any]) -> list[str]:
