@@ -155,12 +155,20 @@ class PeerMode:
     trainer: str  # "v0": RayPPOTrainer with +backend=<engine>; "v1": PPOTrainer with +backend=<engine>_v1
     partial: str | None = None
     overrides: tuple[str, ...] = ()
+    # ``data.train_batch_size`` is this many times the workload's prompts, the actor's mini-batch the workload's: that
+    # many optimizer steps per rollout, the later ones on data up to ``batch_scale - 1`` updates old. verl's own way
+    # to spread the tail over more trained tokens at a staleness bound, with no partial rollout. Figures stay per
+    # trained token; there is no staleness floor (it is defined for batches of the workload's size).
+    batch_scale: int = 1
 
     def __post_init__(self) -> None:
         if self.trainer not in ("v0", "v1"):
             raise ValueError(f"PeerMode.trainer must be 'v0' or 'v1', got {self.trainer!r}")
         if self.partial is not None and self.trainer != "v0":
             raise ValueError(f"{self.name}: +partial={self.partial} runs on verl's legacy trainer (v0) only")
+        if self.batch_scale < 1 or (self.batch_scale > 1 and self.partial is not None):
+            # Our staleness counts trainer steps; a step of several optimizer steps would change what it bounds.
+            raise ValueError(f"{self.name}: batch_scale must be 1, or above 1 without +partial; got {self.batch_scale}")
 
     def backend(self, engine: str) -> str:
         return engine if self.trainer == "v0" else f"{engine}_v1"
@@ -174,6 +182,9 @@ MODES: dict[str, PeerMode] = {
     mode.name: mode
     for mode in (
         PeerMode("v0_sync", "v0 sync (RayPPOTrainer)", "v0"),
+        # Twice the batch in two mini-batches: the second optimizer step trains data one update old, the bound
+        # ``max_staleness: 1`` gives ours, and the tail is paid once for twice the tokens.
+        PeerMode("v0_sync_x2", "v0 sync, 2x the batch in 2 optimizer steps", "v0", batch_scale=2),
         # The knee as an engine setting (below, ``v1_async_bound_knee``), for verl's synchronous rollout.
         PeerMode(
             "v0_sync_knee",
@@ -347,9 +358,14 @@ def command_for(
         steps=wl.steps,
         output_dir=run_dir,
         partial=mode.partial,
-        extra=[*overrides, *mode.overrides, *extra],
+        extra=[*overrides, *_batch_overrides(mode, wl), *mode.overrides, *extra],
         backend=mode.backend(engine),
     )
+
+
+def _batch_overrides(mode: PeerMode, wl: Workload) -> tuple[str, ...]:
+    """``mode.batch_scale``'s train batch, after the workload's (Hydra keeps the last); the mini-batch stays."""
+    return () if mode.batch_scale == 1 else (f"data.train_batch_size={wl.prompts * mode.batch_scale}",)
 
 
 def run_mode(
@@ -621,7 +637,7 @@ def figures(run: dict[str, Any], wl: Workload, gpu: EmulatedGpu | None = None) -
     if not usable(run) or not steps:
         return None
     mode = MODES[run["mode"]]
-    tokens = _mean(steps, "response_length/mean") * wl.prompts * wl.n
+    tokens = _mean(steps, "response_length/mean") * wl.prompts * mode.batch_scale * wl.n
     if mode.partial is not None:
         staleness_max, staleness_mean = _max(steps, "partial/staleness/max"), _mean(steps, "partial/staleness/mean")
         spans_max = staleness_max + 1
@@ -657,7 +673,7 @@ def figures(run: dict[str, Any], wl: Workload, gpu: EmulatedGpu | None = None) -
         round=int(run.get("round", 0)),
         occupancy=occupancy,
         probe_s=run.get("probe", {}).get("seconds"),
-        floor_s=None if gpu is None else staleness_floor(run, wl, gpu),
+        floor_s=None if gpu is None or mode.batch_scale != 1 else staleness_floor(run, wl, gpu),
         cycle_s=cycle_s,
         window_s=window_s,
     )
@@ -1127,11 +1143,29 @@ def goal_outcomes(results: dict[str, Any], engine: str) -> list[GoalOutcome]:
     return outcomes
 
 
+#: Pairs the report sets beside the goals where both ran, with no goal of their own: ``default`` against verl's sync
+#: rollout at twice the batch in two optimizer steps, the same staleness bound in optimizer updates without partial
+#: rollout (what a user could run instead).
+COMPARISONS = (("default", "v0_sync_x2"),)
+
+
+def comparisons(results: dict[str, Any], engine: str) -> list[str]:
+    """:data:`COMPARISONS` as report lines: rollout phase and whole step, per trained token, paired by round."""
+    runs = by_mode(results, engine)
+    return [
+        f"- {MODES[ours].label} vs {MODES[base].label} (no goal): rollout phase "
+        f"{speedup(runs[base], runs[ours], 'rollout')}, whole step {speedup(runs[base], runs[ours], 'step')}."
+        for ours, base in COMPARISONS
+        if ours in runs and base in runs
+    ]
+
+
 def goals(results: dict[str, Any], engine: str) -> str:
-    """The goals of :func:`goal_outcomes` in the benchmark's report."""
+    """The goals of :func:`goal_outcomes` in the benchmark's report, then :func:`comparisons`."""
     lines = [f"{engine} ({label_of(results, engine)}); speed-ups per trained token; a goal is met only where the "
              f"low end of its range over >= {MIN_ROUNDS} rounds reaches it (a round below it misses it):"]  # fmt: skip
-    return "\n".join(lines + [outcome.report_line() for outcome in goal_outcomes(results, engine)])
+    outcomes = [outcome.report_line() for outcome in goal_outcomes(results, engine)]
+    return "\n".join(lines + outcomes + comparisons(results, engine))
 
 
 def workload_of(results: dict[str, Any]) -> Workload:
@@ -1292,6 +1326,11 @@ def measure(args: argparse.Namespace, argv: list[str] | None) -> dict[str, Any]:
     engines = _engine_settings(args)
     names = args.modes.split(",")
     wl = workload(args)
+    scaled = [name for name in names if MODES[name].batch_scale != 1]
+    if scaled and wl.lengths.epoch_corr < 1:
+        # v0 tells its agent loop a prompt's epoch by the trainer step, counted in batches of the workload's size.
+        raise SystemExit(f"--modes {','.join(scaled)}: a scaled batch needs --epoch-corr 1 (epochs are counted in "
+                         f"steps of {wl.prompts} prompts)")  # fmt: skip
     settings = RunSettings(threads=args.threads, timeout_s=args.run_timeout_s)
     paths = build_assets(args.work_dir / "assets", wl)
     try:

@@ -172,16 +172,23 @@ def _peer_goals_measured(data: Mapping[str, Any]) -> str:
     verl's trainers (and, where our engine stamped them, their step cycles on the wall clock against v1), every
     mode's slot occupancy and, where the stamps carry it, the prefill's share of the emulated GPU's time (the price
     of resuming parked answers after a weight sync): figures shown without their table."""
-    from benchmarks.bench_peer import by_mode, engine_work_by_mode, goal_outcomes, ratios, speedup
+    from benchmarks.bench_peer import COMPARISONS, by_mode, engine_work_by_mode, goal_outcomes, ratios, speedup
 
     engine = _peer_engine(data)
     runs = by_mode(dict(data), engine)
     goals = "; ".join(outcome.measured() for outcome in goal_outcomes(dict(data), engine))
+    # No goal: the same staleness bound in optimizer updates without partial rollout (bench_peer.COMPARISONS).
+    goals += "".join(
+        f"; `{ours}` vs {base}, rollout phase: {speedup(runs[base], runs[ours], 'rollout')}"
+        for ours, base in COMPARISONS
+        if ours in runs and base in runs
+    )
     pairs = (
         ("default", "v0_sync"),
         ("default", "v1_async_bound"),
         ("default_knee", "v1_async_bound"),
         ("default", "default_uncapped"),
+        *COMPARISONS,
     )
     shown = [(ours, base) for ours, base in pairs if ours in runs and base in runs]
     steps = ", ".join(f"`{ours}` vs {base} {speedup(runs[base], runs[ours], 'step')}" for ours, base in shown)

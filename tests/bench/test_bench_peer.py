@@ -36,6 +36,32 @@ def test_figures_are_per_trained_token_of_measured_steps(peer: ModuleType) -> No
     assert got.peak_rss_gib == pytest.approx(3.0)
 
 
+def test_the_doubled_sync_batch_trains_twice_the_tokens_in_two_steps(peer: ModuleType, tmp_path: Path) -> None:
+    """``v0_sync_x2`` asks verl for twice the batch and keeps the mini-batch (Hydra keeps the last value), so each
+    rollout is trained in two optimizer steps; its figures count twice the trained answers a step, and it gets no
+    staleness floor, which is defined for batches of the workload's size."""
+    wl = peer.Workload(steps=3)
+    paths = {"model": tmp_path / "model", "train": tmp_path / "t.parquet", "val": tmp_path / "v.parquet"}
+    (tmp_path / "run").mkdir()
+    command = peer.command_for(peer.MODES["v0_sync_x2"], paths, wl, tmp_path / "run", "cpu")
+
+    def last(key: str) -> str:
+        return [part.split("=")[1] for part in command if part.startswith(f"{key}=")][-1]
+
+    assert (last("data.train_batch_size"), last("actor_rollout_ref.actor.ppo_mini_batch_size")) == ("32", "16")
+    assert not any(part.startswith("+partial") for part in command)
+    run = _run("v0_sync_x2", gen_s=2.0, step_s=4.0, mean_length=50.0)
+    gpu = peer.EmulatedGpu.parse("H20/Qwen2.5-32B")
+    doubled, single = peer.figures(run, wl, gpu), peer.figures({**run, "mode": "v0_sync"}, wl, gpu)
+    assert doubled.tokens_trained == 2 * single.tokens_trained == 2 * 64 * 50.0
+    assert doubled.floor_s is None and single.floor_s is not None
+
+
+def test_a_scaled_batch_is_refused_with_our_presets(peer: ModuleType) -> None:
+    with pytest.raises(ValueError, match="batch_scale"):
+        peer.PeerMode("bad", "bad", "v0", partial="default", batch_scale=2)
+
+
 def test_shorter_answers_do_not_pass_for_speed(peer: ModuleType) -> None:
     """A mode that trains shorter answers in a shorter step is no faster per trained token."""
     wl = peer.Workload(steps=3)
