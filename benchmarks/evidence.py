@@ -167,48 +167,94 @@ def _peer_goals(data: Mapping[str, Any]) -> str:
     return "; ".join(outcome.short() for outcome in goal_outcomes(dict(data), _peer_engine(data)))
 
 
+# ``(ours, base)`` pairs whose whole step :func:`_peer_goals_measured` gives where both ran, and whose wall clock (our
+# engine's stamps) it gives where ``base`` is one of verl's v1 modes.
+_WHOLE_STEP_PAIRS = (
+    ("default", "v0_sync"),
+    ("default", "v1_async_bound"),
+    ("default_knee", "v1_async_bound"),
+    ("default", "default_uncapped"),
+)
+
+
 def _peer_goals_measured(data: Mapping[str, Any]) -> str:
-    """The goals with their figures, then the whole step of ``default`` and its capped or uncapped variants against
-    verl's trainers (and, where our engine stamped them, their step cycles on the wall clock against v1), every
-    mode's slot occupancy and, where the stamps carry it, the prefill's share of the emulated GPU's time (the price
-    of resuming parked answers after a weight sync): figures shown without their table."""
-    from benchmarks.bench_peer import COMPARISONS, by_mode, engine_work_by_mode, goal_outcomes, ratios, speedup
+    """The goals with their figures, ``default`` beside verl's sync at the same bound in optimizer updates
+    (:func:`_same_bound`), then the whole step of ``default`` and its capped or uncapped variants against verl's
+    trainers, their wall clock (:func:`_wall_clock`), every mode's slot occupancy and the prefill's share
+    (:func:`_prefill_share`): figures shown without their table."""
+    from benchmarks.bench_peer import COMPARISONS, by_mode, goal_outcomes, speedup
 
     engine = _peer_engine(data)
     runs = by_mode(dict(data), engine)
     goals = "; ".join(outcome.measured() for outcome in goal_outcomes(dict(data), engine))
-    # No goal: the same staleness bound in optimizer updates without partial rollout (bench_peer.COMPARISONS).
-    goals += "".join(
-        f"; `{ours}` vs {base}, rollout phase: {speedup(runs[base], runs[ours], 'rollout')}"
+    shown = [(ours, base) for ours, base in (*_WHOLE_STEP_PAIRS, *COMPARISONS) if ours in runs and base in runs]
+    steps = ", ".join(f"`{ours}` vs {base} {speedup(runs[base], runs[ours], 'step')}" for ours, base in shown)
+    return (
+        f"{goals}{_same_bound(runs)}; whole step: {steps}{_wall_clock(runs)}; slot occupancy {_occupancy(runs)}"
+        f"{_prefill_share(data, engine)}"
+    )
+
+
+def _peer_verdicts_beside_table(data: Mapping[str, Any]) -> str:
+    """For a figure with the every-mode table below it: the goals' verdicts (their ratios, each mode's whole step and
+    occupancy are in the table), and what the table lacks: ``default`` beside verl's sync at the same bound, the wall
+    clock and the prefill's share."""
+    from benchmarks.bench_peer import by_mode, goal_outcomes
+
+    engine = _peer_engine(data)
+    runs = by_mode(dict(data), engine)
+    verdicts = "; ".join(outcome.short() for outcome in goal_outcomes(dict(data), engine))
+    return f"{verdicts}{_same_bound(runs, whole_step=True)}{_wall_clock(runs)}{_prefill_share(data, engine)}"
+
+
+def _same_bound(runs: Mapping[str, list[Any]], whole_step: bool = False) -> str:
+    """``bench_peer.COMPARISONS`` where both ran: ``default`` against verl's sync rollout at twice the batch in two
+    optimizer steps, the same staleness bound in updates without partial rollout (no goal)."""
+    from benchmarks.bench_peer import COMPARISONS, speedup
+
+    return "".join(
+        f"; `{ours}` vs {base} (no goal), rollout phase {speedup(runs[base], runs[ours], 'rollout')}"
+        + (f", whole step {speedup(runs[base], runs[ours], 'step')}" if whole_step else "")
         for ours, base in COMPARISONS
         if ours in runs and base in runs
     )
-    pairs = (
-        ("default", "v0_sync"),
-        ("default", "v1_async_bound"),
-        ("default_knee", "v1_async_bound"),
-        ("default", "default_uncapped"),
-        *COMPARISONS,
-    )
-    shown = [(ours, base) for ours, base in pairs if ours in runs and base in runs]
-    steps = ", ".join(f"`{ours}` vs {base} {speedup(runs[base], runs[ours], 'step')}" for ours, base in shown)
-    # Our engine's stamps (bench_peer.stamped_seconds), where the runs carry them: one clock for every trainer, where
-    # v1's timers leave out what it generates between them (v0 sync's whole step is its cycle already).
-    # A wall-clock figure that reads as its whole-step twin is not shown twice.
+
+
+def _wall_clock(runs: Mapping[str, list[Any]]) -> str:
+    """Our engine's stamps (bench_peer.stamped_seconds), where the runs carry them: one clock for every trainer, where
+    v1's timers leave out what it generates between them (v0 sync's whole step is its cycle already). A wall-clock
+    figure that reads as its whole-step twin is not shown twice."""
+    from benchmarks.bench_peer import ratios, speedup
+
     clocks = [
         f"`{ours}` vs {base} {speedup(runs[base], runs[ours], 'cycle')}"
-        for ours, base in shown
-        if base.startswith("v1")
+        for ours, base in _WHOLE_STEP_PAIRS
+        if ours in runs
+        and base in runs
+        and base.startswith("v1")
         and ratios(runs[base], runs[ours], "cycle")
         and speedup(runs[base], runs[ours], "cycle") != speedup(runs[base], runs[ours], "step")
     ]
-    stamped = f"; wall clock: {', '.join(clocks)}" if clocks else ""
-    prefill = ""
-    if work := engine_work_by_mode(dict(data), engine):
-        rounds = "/".join(str(n) for n in sorted({len(values) for values in work.values()}))
-        shares = ", ".join(f"{name} {statistics.fmean(s for *_, s in values):.2f}" for name, values in work.items())
-        prefill = f"; prefill share of engine time ({rounds} rounds) {shares}"
-    return f"{goals}; whole step: {steps}{stamped}; slot occupancy {_occupancy(runs)}{prefill}"
+    return f"; wall clock: {', '.join(clocks)}" if clocks else ""
+
+
+# The modes whose prefill share the page gives (the report's engine-work table has every mode): sync at one and at
+# two batches, ours capped and not, and v1 at our bound and at verl's defaults.
+_PREFILL_MODES = ("v0_sync", "v0_sync_x2", "default", "default_uncapped", "v1_async_bound", "v1_async_defaults")
+
+
+def _prefill_share(data: Mapping[str, Any], engine: str) -> str:
+    """Where the stamps carry it, the prefill's share of the emulated GPU's time in the rollout windows of each of
+    :data:`_PREFILL_MODES` that ran (the price of resuming parked answers after a weight sync)."""
+    from benchmarks.bench_peer import engine_work_by_mode
+
+    work = engine_work_by_mode(dict(data), engine)
+    shown = [(name, work[name]) for name in _PREFILL_MODES if name in work]
+    if not shown:
+        return ""
+    rounds = "/".join(str(n) for n in sorted({len(values) for _, values in shown}))
+    shares = ", ".join(f"{name} {statistics.fmean(s for *_, s in values):.2f}" for name, values in shown)
+    return f"; prefill share of engine time ({rounds} rounds) {shares}"
 
 
 def _peer_engine(data: Mapping[str, Any]) -> str:
@@ -466,13 +512,15 @@ FIGURES: tuple[Figure, ...] = (
     ),
     Figure(
         id="peer-emulated-prefix",
-        claim="verl's trainers on our CPU engine emulating 32B on one H20 behind vLLM's prefix cache; `default`: "
-        "`partial.max_calls_per_server=auto`, the H20's knee (26 calls per server); `default_uncapped`: 512, the old "
-        "default; goals per trained token, by round; ceiling: the most any colocated schedule at staleness "
-        "<= 1 reaches on our presets' batches, not regrouped ones",
+        claim="verl's trainers on our CPU engine emulating 32B on one H20 behind vLLM's prefix cache; `default` at "
+        "the H20's knee (`auto`, 26 calls per server), `default_uncapped` at 512 (the old default); the other v1 "
+        "modes, `v0_sync_x2` (twice the batch in two optimizer steps) and `v0_sync_knee` (`rollout.max_num_seqs=28`) "
+        "in rounds 3-5; per trained token, by round; ceiling: the most any colocated schedule at staleness <= 1 "
+        "reaches on our presets' batches",
         source="peer_emulated_prefix.json",
         label="emulated",
-        value=_peer_goals_measured,
+        value=_peer_verdicts_beside_table,
+        table=_peer_table_and_costs,
         image="img/peer_emulated_prefix.png",
     ),
     Figure(
@@ -486,27 +534,11 @@ FIGURES: tuple[Figure, ...] = (
         image="img/peer_emulated_h200.png",
     ),
     Figure(
-        id="peer-emulated",
-        claim="every mode (v1's also with a 0.05 s poll), no prefix cache modelled",
-        source="peer_emulated.json",
-        label="emulated",
-        value=lambda data: "see the table",
-        table=_peer_table_and_costs,
-        image="img/peer_emulated.png",
-    ),
-    Figure(
         id="peer-emulated-knee-v1",
         claim="as `peer-emulated-prefix`, v1 also given the knee as an engine setting (`rollout.max_num_seqs=28`)",
         source="peer_emulated_prefix_knee_v1.json",
         label="emulated",
         value=_paired(("default_knee", "v1_async_bound_knee"), ("v1_async_bound_knee", "v1_async_bound")),
-    ),
-    Figure(
-        id="peer-emulated-knee-sync",
-        claim="v0 sync given the same engine setting (`v0_sync_knee`), no prefix cache modelled",
-        source="peer_emulated_knee_sync.json",
-        label="emulated",
-        value=_paired(("default_knee", "v0_sync_knee"), ("v0_sync_knee", "v0_sync")),
     ),
     Figure(
         id="peer-vllm-cpu",
@@ -601,13 +633,6 @@ FIGURES: tuple[Figure, ...] = (
         value=_sim_check,
     ),
     Figure(
-        id="sim-vs-emulated",
-        claim="the same check on `peer-emulated`'s runs",
-        source="sim_check_emulated.json",
-        label="simulated",
-        value=_sim_check,
-    ),
-    Figure(
         id="sim-vs-emulated-kv",
         claim="the same check on `peer-emulated-kv`'s runs",
         source="sim_check_production_kv.json",
@@ -666,6 +691,18 @@ WITHDRAWN: tuple[Withdrawn, ...] = (
         ),  # fmt: skip
         script="benchmarks/learning_curves.py",
         why="before `partial.fill_engine`; re-measured: `lc-default`, `length-bias-frozen`",
+    ),
+    Withdrawn(
+        figure="emulated H20, every mode, and the simulator beside it: `default` 0.94x v1 colocate_async",
+        sources=("peer_emulated.json", "sim_check_emulated.json"),
+        script="benchmarks/bench_peer.py, benchmarks/sim_check_emulated.py",
+        why="before the prefix cache and `partial.max_calls_per_server=auto`; re-measured: `peer-emulated-prefix`",
+    ),
+    Withdrawn(
+        figure="emulated H20, v0 sync given the knee as an engine setting (`v0_sync_knee`)",
+        sources=("peer_emulated_knee_sync.json",),
+        script="benchmarks/bench_peer.py",
+        why="before the prefix cache; re-measured: `peer-emulated-prefix`",
     ),
 )
 

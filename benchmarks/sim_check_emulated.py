@@ -1,7 +1,7 @@
 """The simulator against the emulated engine: predicted beside measured rollout phase per trained token, every mode.
 
-    python -m benchmarks.sim_check_emulated --peer benchmarks/results/peer_emulated.json \\
-        --json benchmarks/results/sim_check_emulated.json
+    python -m benchmarks.sim_check_emulated --peer benchmarks/results/peer_emulated_prefix.json --prompt-len 31 \\
+        --json benchmarks/results/sim_check_prefix.json
 
 The emulated engine (``bench_peer.py`` on our CPU engine with ``VERL_PARTIAL_EMULATE_GPU``) and the simulator
 (``verl_partial/sim``) share the hardware curve (``ServerSpec.step_seconds``), so this checks the scheduler model, the
@@ -61,6 +61,8 @@ def sim_configs(batch: int) -> dict[str, PartialConfig]:
     default = modes["default"]
     return {
         "v0_sync": modes["sync"],
+        # The same synchronous rollout; :func:`_simulate` gives it ``PeerMode.batch_scale`` times the prompts a step.
+        "v0_sync_x2": modes["sync"],
         "default": default,
         "default_by_groups": dataclasses.replace(default, fill_engine=False),
         "default_extra": dataclasses.replace(default, refill=False, extra_groups=batch),
@@ -110,9 +112,10 @@ def measured_engine(results: dict[str, Any], engine: str, mode: str) -> list[dic
     emulated engine's counters (its modelled time, not the overruns: both sides then share one step-time model)."""
     out = []
     wl = workload_of(results)
+    samples = wl.prompts * MODES[mode].batch_scale * wl.n
     for run in (run for run in kept_runs(results, engine) if run["mode"] == mode):
         stats = run.get("engine_stats") or []
-        trained = sum(float(step["response_length/mean"]) for step in run["steps"].values()) * wl.prompts * wl.n
+        trained = sum(float(step["response_length/mean"]) for step in run["steps"].values()) * samples
         if stats and trained > 0:
             total = {
                 key: sum(s[key] for s in stats) for key in ("modelled_s", "steps", "decode_tokens", "prefill_tokens")
@@ -141,17 +144,24 @@ def _server(results: dict[str, Any], engine: str, prefix_cache: bool) -> ServerS
 
 
 def _simulate(
-    results: dict[str, Any], config: PartialConfig, spec: ServerSpec, prompt_len: int, seed: int, **options: Any
+    results: dict[str, Any],
+    config: PartialConfig,
+    spec: ServerSpec,
+    prompt_len: int,
+    seed: int,
+    batch_scale: int = 1,
+    **options: Any,
 ) -> tuple[Any, Any, SimWorkload]:
     """One seed of the benchmark's workload under ``config``: the whole simulated run, its measured steps, and the
-    simulated workload (the peer benchmark's batch, samples, slots and lognormal lengths; ``options`` go to
-    ``simulate``)."""
+    simulated workload (the peer benchmark's batch, times ``batch_scale`` as the mode's ``PeerMode`` asks, samples,
+    slots and lognormal lengths; ``options`` go to ``simulate``)."""
     wl = workload_of(results)
+    batch = wl.prompts * batch_scale
     # Within one epoch every correlation gives the same lengths' law; runs that stay in one keep the draws they were
     # first checked with (``sample_epoch_corr=0``), runs that span epochs get the benchmark's correlation.
-    spans_epochs = wl.steps * wl.prompts > wl.train_rows
+    spans_epochs = wl.steps * batch > wl.train_rows
     sim_wl = SimWorkload(
-        batch=wl.prompts,
+        batch=batch,
         n=wl.n,
         p50=wl.lengths.median,
         p99_over_p50=math.exp(Z99 * wl.lengths.sigma),
@@ -185,7 +195,7 @@ def predict(results: dict[str, Any], engine: str, prompt_len: int, prefix_cache:
             continue
         config = as_run(config, results, name)
         for seed in SEEDS:
-            whole, run, sim_wl = _simulate(results, config, spec, prompt_len, seed)
+            whole, run, sim_wl = _simulate(results, config, spec, prompt_len, seed, MODES[name].batch_scale)
             out.setdefault(name, []).append(_ms_per_token(run))
             runs[name, seed] = (run, sim_wl)
             engines.setdefault(name, []).append(simulated_engine(whole))

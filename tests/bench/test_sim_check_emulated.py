@@ -186,3 +186,25 @@ def test_a_run_over_several_epochs_is_simulated_with_the_benchmarks_epoch_correl
         seen.clear()
         check._simulate(results, check.sim_configs(wl.prompts)["default"], check._server(results, "cpu", True), 31, 0)
         assert seen == [expected]
+
+
+def test_the_doubled_sync_batch_is_simulated_at_twice_the_prompts_a_step(
+    check: ModuleType, bench_module: Callable[[str], ModuleType], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``v0_sync_x2`` is verl's synchronous rollout at ``PeerMode.batch_scale`` times the batch: the simulator runs
+    sync's config on that many prompts a step, every seed."""
+    peer = bench_module("bench_peer")
+    seen: list[tuple[object, int]] = []
+    original = check.simulate
+
+    def record(config, workload, *args, **kwargs):
+        seen.append((config, workload.batch))
+        return original(config, workload, *args, **kwargs)
+
+    monkeypatch.setattr(check, "simulate", record)
+    wl = peer.Workload(steps=4)
+    results = {"workload": dataclasses.asdict(wl), "runs": [{"mode": "v0_sync_x2"}], "engines": H20}
+    predicted, _, _ = check.predict(results, "cpu", 31)
+    assert set(predicted) == {"v0_sync_x2"} and len(seen) == len(check.SEEDS)
+    sync = check.sim_configs(wl.prompts)["v0_sync"]
+    assert all(config == sync and batch == 2 * wl.prompts for config, batch in seen)
