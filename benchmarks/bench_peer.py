@@ -173,6 +173,10 @@ class PeerMode:
     def backend(self, engine: str) -> str:
         return engine if self.trainer == "v0" else f"{engine}_v1"
 
+    def prompts_per_step(self, wl: Workload) -> int:
+        """``data.train_batch_size`` of this mode's runs: the workload's prompts times ``batch_scale``."""
+        return wl.prompts * self.batch_scale
+
     def runnable_on(self, engine: str) -> bool:
         """Whether the backend this mode needs on ``engine`` exists (our CPU engine has no v1 backend yet)."""
         return (REPO / "hydra_configs" / "backend" / f"{self.backend(engine)}.yaml").exists()
@@ -365,7 +369,7 @@ def command_for(
 
 def _batch_overrides(mode: PeerMode, wl: Workload) -> tuple[str, ...]:
     """``mode.batch_scale``'s train batch, after the workload's (Hydra keeps the last); the mini-batch stays."""
-    return () if mode.batch_scale == 1 else (f"data.train_batch_size={wl.prompts * mode.batch_scale}",)
+    return () if mode.batch_scale == 1 else (f"data.train_batch_size={mode.prompts_per_step(wl)}",)
 
 
 def run_mode(
@@ -637,7 +641,7 @@ def figures(run: dict[str, Any], wl: Workload, gpu: EmulatedGpu | None = None) -
     if not usable(run) or not steps:
         return None
     mode = MODES[run["mode"]]
-    tokens = _mean(steps, "response_length/mean") * wl.prompts * mode.batch_scale * wl.n
+    tokens = _mean(steps, "response_length/mean") * mode.prompts_per_step(wl) * wl.n
     if mode.partial is not None:
         staleness_max, staleness_mean = _max(steps, "partial/staleness/max"), _mean(steps, "partial/staleness/mean")
         spans_max = staleness_max + 1
@@ -1151,12 +1155,11 @@ def goal_outcomes(results: dict[str, Any], engine: str) -> list[GoalOutcome]:
 COMPARISONS = (("default", "v0_sync_x2"),)
 
 
-def comparisons(results: dict[str, Any], engine: str) -> list[str]:
-    """:data:`COMPARISONS` as report lines: rollout phase and whole step, per trained token, paired by round."""
-    runs = by_mode(results, engine)
+def comparisons(runs: Mapping[str, list[RunFigures]]) -> list[tuple[str, str, str, str]]:
+    """:data:`COMPARISONS` where both ran (``runs``: :func:`by_mode`): ours, base, and the rollout phase's and the
+    whole step's speed-up per trained token, paired by round. Data, rendered by the report and the evidence page."""
     return [
-        f"- {MODES[ours].label} vs {MODES[base].label} (no goal): rollout phase "
-        f"{speedup(runs[base], runs[ours], 'rollout')}, whole step {speedup(runs[base], runs[ours], 'step')}."
+        (ours, base, speedup(runs[base], runs[ours], "rollout"), speedup(runs[base], runs[ours], "step"))
         for ours, base in COMPARISONS
         if ours in runs and base in runs
     ]
@@ -1167,7 +1170,9 @@ def goals(results: dict[str, Any], engine: str) -> str:
     lines = [f"{engine} ({label_of(results, engine)}); speed-ups per trained token; a goal is met only where the "
              f"low end of its range over >= {MIN_ROUNDS} rounds reaches it (a round below it misses it):"]  # fmt: skip
     outcomes = [outcome.report_line() for outcome in goal_outcomes(results, engine)]
-    return "\n".join(lines + outcomes + comparisons(results, engine))
+    compared = [f"- {MODES[ours].label} vs {MODES[base].label} (no goal): rollout phase {rollout}, whole step {step}."
+                for ours, base, rollout, step in comparisons(by_mode(results, engine))]  # fmt: skip
+    return "\n".join(lines + outcomes + compared)
 
 
 def workload_of(results: dict[str, Any]) -> Workload:

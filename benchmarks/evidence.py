@@ -210,13 +210,11 @@ def _peer_verdicts_beside_table(data: Mapping[str, Any]) -> str:
 def _same_bound(runs: Mapping[str, list[Any]], whole_step: bool = False) -> str:
     """``bench_peer.COMPARISONS`` where both ran: ``default`` against verl's sync rollout at twice the batch in two
     optimizer steps, the same staleness bound in updates without partial rollout (no goal)."""
-    from benchmarks.bench_peer import COMPARISONS, speedup
+    from benchmarks.bench_peer import comparisons
 
     return "".join(
-        f"; `{ours}` vs {base} (no goal), rollout phase {speedup(runs[base], runs[ours], 'rollout')}"
-        + (f", whole step {speedup(runs[base], runs[ours], 'step')}" if whole_step else "")
-        for ours, base in COMPARISONS
-        if ours in runs and base in runs
+        f"; `{ours}` vs {base} (no goal), rollout phase {rollout}" + (f", whole step {step}" if whole_step else "")
+        for ours, base, rollout, step in comparisons(runs)
     )
 
 

@@ -112,7 +112,7 @@ def measured_engine(results: dict[str, Any], engine: str, mode: str) -> list[dic
     emulated engine's counters (its modelled time, not the overruns: both sides then share one step-time model)."""
     out = []
     wl = workload_of(results)
-    samples = wl.prompts * MODES[mode].batch_scale * wl.n
+    samples = MODES[mode].prompts_per_step(wl) * wl.n
     for run in (run for run in kept_runs(results, engine) if run["mode"] == mode):
         stats = run.get("engine_stats") or []
         trained = sum(float(step["response_length/mean"]) for step in run["steps"].values()) * samples

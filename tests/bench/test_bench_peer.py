@@ -57,6 +57,16 @@ def test_the_doubled_sync_batch_trains_twice_the_tokens_in_two_steps(peer: Modul
     assert doubled.floor_s is None and single.floor_s is not None
 
 
+def test_default_is_set_beside_the_doubled_batch_round_by_round(peer: ModuleType) -> None:
+    """The comparison with no goal pairs runs of the same round, per trained token: the doubled batch takes 3 s for
+    twice the tokens ``default`` trains in 1 s, so ``default`` is 1.5x; its round-1 run has no twin: nothing paired."""
+    wl = peer.Workload(steps=3)
+    runs = [_run("v0_sync_x2", 3.0, 6.0, 50.0, 0), _run("default", 1.0, 2.0, 50.0, 0), _run("default", 9, 9, 50.0, 1)]
+    results = {"workload": peer.dataclasses.asdict(wl), "runs": runs}
+    assert peer.comparisons(peer.by_mode(results)) == [("default", "v0_sync_x2", "1.50x", "1.50x")]
+    assert "(no goal): rollout phase 1.50x, whole step 1.50x." in peer.goals(results, "cpu_vllm")
+
+
 def test_a_scaled_batch_is_refused_with_our_presets(peer: ModuleType) -> None:
     with pytest.raises(ValueError, match="batch_scale"):
         peer.PeerMode("bad", "bad", "v0", partial="default", batch_scale=2)
