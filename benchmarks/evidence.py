@@ -511,10 +511,10 @@ FIGURES: tuple[Figure, ...] = (
     Figure(
         id="peer-emulated-prefix",
         claim="verl's trainers on our CPU engine emulating 32B on one H20 behind vLLM's prefix cache; `default` at "
-        "the H20's knee (`auto`, 26 calls per server), `default_uncapped` at 512 (the old default); the other v1 "
-        "modes, `v0_sync_x2` (twice the batch in two optimizer steps) and `v0_sync_knee` (`rollout.max_num_seqs=28`) "
+        "the H20's knee (`auto`, 26 calls per server), `default_uncapped` at 512 (old default); the other v1 "
+        "modes, `v0_sync_x2` (twice the batch, two optimizer steps) and `v0_sync_knee` (`rollout.max_num_seqs=28`) "
         "in rounds 3-5; per trained token, by round; ceiling: the most any colocated schedule at staleness <= 1 "
-        "reaches on our presets' batches",
+        "reaches on our presets' batches, not regrouped",
         source="peer_emulated_prefix.json",
         label="emulated",
         value=_peer_verdicts_beside_table,
